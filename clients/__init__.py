@@ -1,0 +1,1 @@
+"""Python client SDK and command-line tools for a streamer service."""

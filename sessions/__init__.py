@@ -1,0 +1,1 @@
+"""The session engine: sessions, caches, the model runner and the engine thread."""

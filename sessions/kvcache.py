@@ -1,0 +1,90 @@
+"""A session's KV cache: preallocated buffers written at explicit positions.
+
+Layout is one tensor `[layers, 2, kv_heads, capacity, head_dim]`. Tokens `[0, length)` are the
+session's state; a step writes new tokens at `[length, length + n)` and commits them only if
+the caller says so, so a question (a fork) costs no copy: it writes past `length` and is
+rolled back by leaving `length` where it was. Growth reallocates with doubling, so appends
+are amortised O(new tokens), never O(cache) per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Physical KV bytes per token: layers x 2 x kv_heads x head_dim x dtype size."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.layers * 2 * self.kv_heads * self.head_dim * elem
+
+
+class KVCache:
+    """Growable KV buffers for one session; `length` tokens are committed."""
+
+    min_capacity = 256
+
+    def __init__(self, shape: KVShape, max_tokens: int) -> None:
+        self.shape = shape
+        self.max_tokens = max_tokens
+        self.length = 0
+        self._buf = self._alloc(min(self.min_capacity, max_tokens))
+
+    def _alloc(self, capacity: int) -> torch.Tensor:
+        s = self.shape
+        return torch.empty(
+            (s.layers, 2, s.kv_heads, capacity, s.head_dim), dtype=s.dtype, device=s.device
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self._buf.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (allocated, not only committed)."""
+        return self._buf.numel() * self._buf.element_size()
+
+    def can_hold(self, total: int) -> bool:
+        return total <= self.max_tokens
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` tokens. Everything already written is kept, including a fork's
+        uncommitted tokens past `length`, so a question may grow the cache mid-decode."""
+        if total > self.max_tokens:
+            raise ValueError(f"cache limit is {self.max_tokens} tokens, {total} requested")
+        if total <= self.capacity:
+            return
+        capacity = min(self.max_tokens, max(total, 2 * self.capacity))
+        buf = self._alloc(capacity)
+        buf[:, :, :, : self.capacity] = self._buf
+        self._buf = buf
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views `[kv_heads, capacity, head_dim]` of one layer's keys and values."""
+        return self._buf[index, 0], self._buf[index, 1]
+
+    def commit(self, length: int) -> None:
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"commit length {length} outside [0, {self.capacity}]")
+        self.length = length
+
+    def crop(self, length: int) -> None:
+        """Forget tokens past `length` (used by revise)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length {length} outside [0, {self.length}]")
+        self.length = length
+
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the committed part, for tests and parking."""
+        return self._buf[:, :, :, : self.length].clone()

@@ -1,0 +1,129 @@
+"""The model runner: one forward over new tokens of one or more sessions, on their live caches.
+
+Hugging Face model definitions run unchanged. We register an attention function with
+transformers' `AttentionInterface`; the model is called with `use_cache=False`, explicit
+`position_ids` and a `StepMetadata` object passed as a keyword argument, which transformers
+hands to every attention call. The attention function writes each layer's new keys/values
+into the sessions' caches at explicit slots and attends over them with the reference kernel.
+No globals carry per-step state, and nothing is monkeypatched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from streamer.kernels import cache_attention
+
+from .kvcache import KVCache, KVShape
+
+ATTENTION_NAME = "streamer_cache"
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """New tokens of one sequence in a packed step: written at cache slots [start, start+n)."""
+
+    cache: KVCache
+    start: int
+    tokens: Sequence[int]
+    offset: int = 0  # index of the first token in the packed batch
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    seqs: list[SeqStep] = field(default_factory=list)
+
+
+def _session_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       streamer_meta: StepMetadata | None = None, **kwargs):
+    """transformers attention hook: query `[1, H, N, D]`, key/value `[1, Hkv, N, D]` (packed)."""
+    if streamer_meta is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs `streamer_meta`; run through ModelRunner")
+    layer = module.layer_idx
+    outputs = []
+    for seq in streamer_meta.seqs:
+        k_cache, v_cache = seq.cache.layer(layer)
+        src = slice(seq.offset, seq.offset + seq.n)
+        dst = slice(seq.start, seq.start + seq.n)
+        k_cache[:, dst] = key[0, :, src]
+        v_cache[:, dst] = value[0, :, src]
+        outputs.append(cache_attention(query[0, :, src], k_cache, v_cache, seq.start, scaling))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    """Masks are built per sequence inside the attention function."""
+    return None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _session_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+class ModelRunner:
+    """Owns a causal LM and runs packed steps over session caches. Not thread-safe: one
+    thread (the engine's) drives it."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, name: str = "model") -> None:
+        register_attention()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        model.set_attn_implementation(ATTENTION_NAME)
+        model.eval()
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        self.kv_shape = KVShape(
+            layers=cfg.num_hidden_layers,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim, dtype=param.dtype, device=param.device,
+        )
+        self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.device = param.device
+
+    def new_cache(self, max_tokens: int | None = None) -> KVCache:
+        return KVCache(self.kv_shape, max_tokens or self.context_window)
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqStep], logits: str = "last") -> list[torch.Tensor] | None:
+        """Run the new tokens of `seqs` in one forward; caches get the new K/V at their slots
+        (the caller commits them). `logits`: "last" (one row per sequence), "all" (rows per
+        token, per sequence) or "none"."""
+        if not seqs:
+            raise ValueError("forward needs at least one sequence")
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        for seq in seqs:
+            if seq.n == 0:
+                raise ValueError("a sequence in a step has no tokens")
+            seq.cache.reserve(seq.start + seq.n)
+            seq.offset = len(ids)
+            ids.extend(seq.tokens)
+            positions.append(torch.arange(seq.start, seq.start + seq.n))
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
+        if logits == "all":
+            keep: int | torch.Tensor = 0
+        else:  # "none" still needs one row from the head; keep it to the last tokens
+            keep = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                         streamer_meta=StepMetadata(list(seqs)), logits_to_keep=keep)
+        rows = out.logits[0].float()
+        if logits == "none":
+            return None
+        if logits == "all":
+            return [rows[s.offset:s.offset + s.n] for s in seqs]
+        return list(rows.unbind(0))

@@ -1,0 +1,138 @@
+"""Session: the unit of state. A live reading cache, the log of accepted input, clocks."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .errors import ContextOverflow, InvalidRequest
+from .framing import Framing
+from .kvcache import KVCache
+from .runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One accepted input: its text, where its tokens sit in the cache, and when it came."""
+
+    seq: int
+    ts: float
+    text: str
+    start: int
+    tokens: list[int]
+    digest: str
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(slots=True)
+class AppendResult:
+    session_id: str
+    seq: int
+    tokens: int
+    total_tokens: int
+    data_version: int
+    lag_s: float
+    kept_tokens: int | None = None  # revise: tokens of the replaced tail reused from the cache
+    replaced_seqs: list[int] = field(default_factory=list)
+
+
+class Session:
+    """State of one session. Only the engine thread mutates it."""
+
+    def __init__(self, session_id: str, runner: ModelRunner, system_prompt: str | None = None,
+                 max_tokens: int | None = None) -> None:
+        self.id = session_id
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.framing = Framing.for_tokenizer(self.tokenizer, system_prompt)
+        self.system_prompt = system_prompt
+        self.cache: KVCache = runner.new_cache(max_tokens)
+        self.prefix_ids = self.tokenize(self.framing.prefix)
+        self.chunks: list[Chunk] = []
+        self.data_version = 0
+        self.next_seq = 1
+        self.pending_tokens = 0  # tokens queued for append but not yet in the cache
+        self.ended = False
+        self.closed = False
+        self.created_at = time.time()
+        self.last_input_at: float | None = None
+        self.last_logits = None  # logits after the newest committed token
+        self.queries_answered = 0
+        self.log = logging.LoggerAdapter(log, {"session": session_id})
+
+    @property
+    def context_window(self) -> int:
+        return self.cache.max_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.cache.length
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokenize one piece on its own: never the concatenation with earlier text, so chunk
+        boundaries never shift tokens that are already in the cache."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def context_ids(self) -> list[int]:
+        """The token ids the reading cache holds, from the log (what a replay would prefill)."""
+        ids = list(self.prefix_ids)
+        for chunk in self.chunks:
+            ids.extend(chunk.tokens)
+        return ids
+
+    def question_ids(self, question: str) -> list[int]:
+        return self.tokenize(self.framing.question_text(question))
+
+    def check_room(self, new_tokens: int, what: str = "input") -> None:
+        total = self.cache.length + self.pending_tokens + new_tokens
+        if total > self.context_window:
+            raise ContextOverflow(
+                f"{what} of {new_tokens} tokens would bring session {self.id} to {total} tokens; "
+                f"the context window is {self.context_window} tokens "
+                f"({self.cache.length + self.pending_tokens} used)")
+
+    def record(self, text: str, start: int, tokens: list[int]) -> Chunk:
+        chunk = Chunk(self.next_seq, time.time(), text, start, tokens,
+                      hashlib.sha256(text.encode()).hexdigest()[:16])
+        self.next_seq += 1
+        self.chunks.append(chunk)
+        self.data_version += 1
+        self.last_input_at = chunk.ts
+        return chunk
+
+    def tail_from(self, from_seq: int | None) -> int:
+        """Index in `chunks` of the first chunk a revise replaces (default: the last one)."""
+        if not self.chunks:
+            raise InvalidRequest(f"session {self.id} has no input to revise")
+        if from_seq is None:
+            return len(self.chunks) - 1
+        for i, chunk in enumerate(self.chunks):
+            if chunk.seq == from_seq:
+                return i
+        known = ", ".join(str(c.seq) for c in self.chunks[-5:])
+        raise InvalidRequest(f"from_seq {from_seq} is not a live input of session {self.id} (latest: {known})")
+
+    def state(self) -> dict:
+        return {
+            "session_id": self.id,
+            "data_version": self.data_version,
+            "tokens": self.cache.length,
+            "prefix_tokens": len(self.prefix_ids),
+            "context_window": self.context_window,
+            "cache_bytes": self.cache.nbytes,
+            "kv_bytes_per_token": self.cache.shape.bytes_per_token,
+            "inputs": len(self.chunks),
+            "last_seq": self.chunks[-1].seq if self.chunks else 0,
+            "ended": self.ended,
+            "closed": self.closed,
+            "created_at": self.created_at,
+            "last_input_at": self.last_input_at,
+            "queries_answered": self.queries_answered,
+        }
