@@ -1,0 +1,124 @@
+"""`streamer client ...`: stream a text file into a session and ask questions along the way."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from .client import StreamerClient, StreamerError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="client_command", required=True)
+    stream = sub.add_parser("stream", help="stream a text file into a new session, asking questions as it grows")
+    stream.add_argument("file", type=Path, help="UTF-8 text file ('-' for stdin)")
+    stream.add_argument("--url", default="ws://127.0.0.1:8765", help="service URL (default: %(default)s)")
+    stream.add_argument("--chunk-chars", type=int, default=400, help="characters per append (default: %(default)s)")
+    stream.add_argument("--rate", type=float, default=0.0,
+                        help="characters per second to stream at; 0 = as fast as the service acks (default)")
+    stream.add_argument("--ask", action="append", default=[], metavar="QUESTION",
+                        help="a question to ask (repeatable); asked every --ask-every chunks and at the end")
+    stream.add_argument("--ask-every", type=int, default=0, metavar="N",
+                        help="ask the questions after every N chunks (default: only at the end)")
+    stream.add_argument("--max-tokens", type=int, default=64, help="answer token limit (default: %(default)s)")
+    stream.add_argument("--system-prompt", default=None, help="system prompt for the session")
+    stream.add_argument("--json", action="store_true", help="print one JSON object per event instead of text")
+    ask = sub.add_parser("ask", help="create a session from a file (or nothing) and ask one question")
+    ask.add_argument("question")
+    ask.add_argument("--url", default="ws://127.0.0.1:8765")
+    ask.add_argument("--context", type=Path, default=None, help="text file to read first")
+    ask.add_argument("--max-tokens", type=int, default=64)
+
+
+def chunks_of(text: str, size: int) -> list[str]:
+    """Split on whitespace near `size` characters, keeping every character exactly once."""
+    if size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {size}")
+    out, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            cut = text.rfind(" ", start + size // 2, end)
+            end = cut + 1 if cut > start else end
+        out.append(text[start:end])
+        start = end
+    return out
+
+
+def _read(path: Path) -> str:
+    return sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+
+
+async def stream_file(args: argparse.Namespace) -> int:
+    text = _read(args.file)
+    pieces = chunks_of(text, args.chunk_chars)
+    emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
+    async with await StreamerClient.connect(args.url) as client:
+        session = await client.create_session(args.system_prompt)
+        _say(emit, f"session {session.id} on {session.model}", event="session", session_id=session.id)
+        started = time.monotonic()
+        sent = 0
+        for i, piece in enumerate(pieces, 1):
+            if args.rate > 0:  # pace by characters, not by chunks
+                delay = started + sent / args.rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            ack = await session.append(piece)
+            sent += len(piece)
+            _say(emit, f"  + chunk {ack.seq}: {ack.tokens} tokens, context {ack.total_tokens}, "
+                       f"ingest {ack.lag_ms:.0f} ms", event="ack", seq=ack.seq, tokens=ack.tokens,
+                 total_tokens=ack.total_tokens, lag_ms=ack.lag_ms)
+            if args.ask and args.ask_every and i % args.ask_every == 0 and i < len(pieces):
+                await _ask_all(session, args, emit)
+        if args.ask:
+            await _ask_all(session, args, emit)
+        await session.close()
+    return 0
+
+
+async def _ask_all(session, args, emit) -> None:
+    for question in args.ask:
+        answer = await session.ask(question, max_tokens=args.max_tokens)
+        t = answer.timing
+        _say(emit, f"Q [{answer.context_tokens} tokens read]: {question}\n"
+                   f"A: {answer.text.strip()}\n   first token {t['first_token_ms']:.0f} ms, "
+                   f"total {t['total_ms']:.0f} ms server / {answer.client_ms:.0f} ms client",
+             event="answer", question=question, text=answer.text, context_tokens=answer.context_tokens,
+             timing=t, client_ms=answer.client_ms)
+
+
+def _say(emit, text: str, **fields) -> None:
+    if emit:
+        emit(**fields)
+    else:
+        print(text, flush=True)
+
+
+async def ask_once(args: argparse.Namespace) -> int:
+    async with await StreamerClient.connect(args.url) as client:
+        session = await client.create_session()
+        if args.context:
+            for piece in chunks_of(_read(args.context), 2000):
+                await session.append(piece)
+        stream = await session.ask_stream(args.question, max_tokens=args.max_tokens)
+        async for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+        await session.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    command = {"stream": stream_file, "ask": ask_once}[args.client_command]
+    try:
+        return asyncio.run(command(args))
+    except StreamerError as exc:
+        print(f"error from service: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ConnectionError) as exc:
+        print(f"cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 3

