@@ -91,11 +91,11 @@ async def _ask_all(session, args, emit) -> None:
              timing=t, client_ms=answer.client_ms)
 
 
-def _say(emit, text: str, **fields) -> None:
+def _say(emit, message: str, **fields) -> None:
     if emit:
         emit(**fields)
     else:
-        print(text, flush=True)
+        print(message, flush=True)
 
 
 async def ask_once(args: argparse.Namespace) -> int:
@@ -118,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(command(args))
     except StreamerError as exc:
         print(f"error from service: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"cannot read {exc.filename}: no such file", file=sys.stderr)
         return 2
     except (OSError, ConnectionError) as exc:
         print(f"cannot reach {args.url}: {exc}", file=sys.stderr)

@@ -43,6 +43,7 @@ class EngineLimits:
 class EngineStats:
     steps: int = 0
     step_tokens: int = 0
+    step_sequences: int = 0  # sequences run, summed over steps: > steps means packed steps
     step_seconds: float = 0.0
     tokens_ingested: int = 0
     queries: int = 0
@@ -50,15 +51,15 @@ class EngineStats:
 
 
 class QueryHandle:
-    """A running question: `future` resolves to a QueryResult; `cancel()` stops it."""
+    """A running question: `future` resolves to a QueryResult; `cancel()` stops it at its next
+    step (or before it starts), and it then finishes with finish_reason "cancelled"."""
 
-    def __init__(self, future: Future, job_box: list) -> None:
+    def __init__(self, future: Future, cancelled: threading.Event) -> None:
         self.future = future
-        self._job_box = job_box
+        self._cancelled = cancelled
 
     def cancel(self) -> None:
-        if self._job_box:
-            self._job_box[0].cancelled.set()
+        self._cancelled.set()
 
 
 class Engine:
@@ -167,20 +168,19 @@ class Engine:
     def query(self, session_id: str, question: str, params: SamplingParams | None = None,
               on_delta: Callable[[str], None] | None = None, query_id: str | None = None) -> QueryHandle:
         params = params or SamplingParams()
-        box: list[QueryJob] = []
+        cancelled = threading.Event()
 
         def query():
             session = self._live(session_id)
             params.validate(self.limits.max_answer_tokens)
             job = QueryJob(session, query_id or secrets.token_hex(6), question, params,
-                           self.stop_ids, on_delta)
+                           self.stop_ids, on_delta, cancelled)
             if len(job.question_ids) > self.limits.max_question_tokens:
                 raise InvalidRequest(f"question of {len(job.question_ids)} tokens exceeds the limit "
                                      f"of {self.limits.max_question_tokens} tokens", code="question_too_long")
-            box.append(job)
             return self._enqueue(job)
 
-        return QueryHandle(self._call(query), box)
+        return QueryHandle(self._call(query), cancelled)
 
     def close_session(self, session_id: str) -> Future:
         def close():
@@ -200,6 +200,7 @@ class Engine:
     def snapshot_stats(self) -> dict:
         s = self.stats
         return {"sessions": len(self.sessions), "steps": s.steps, "step_tokens": s.step_tokens,
+                "step_sequences": s.step_sequences,
                 "step_seconds": s.step_seconds, "tokens_ingested": s.tokens_ingested,
                 "queries": s.queries, "sessions_created": s.sessions_created,
                 "queued_jobs": sum(len(q) for q in list(self._queues.values()))}
@@ -272,6 +273,7 @@ class Engine:
         tokens = sum(step.n for _, _, step in batch)
         self.stats.steps += 1
         self.stats.step_tokens += tokens
+        self.stats.step_sequences += len(batch)
         self.stats.step_seconds += time.perf_counter() - started
         for (job, fut, step), row in zip(batch, logits):
             try:

@@ -187,7 +187,8 @@ class QueryJob(Job):
     priority = Priority.QUERY
 
     def __init__(self, session: Session, query_id: str, question: str, params: SamplingParams,
-                 stop_ids: frozenset[int], on_delta: Callable[[str], None] | None = None) -> None:
+                 stop_ids: frozenset[int], on_delta: Callable[[str], None] | None = None,
+                 cancelled: threading.Event | None = None) -> None:
         super().__init__(session)
         self.query_id = query_id
         self.question_ids = session.question_ids(question)
@@ -195,7 +196,7 @@ class QueryJob(Job):
         self.sampler = Sampler(params)
         self.stop_ids = stop_ids
         self.on_delta = on_delta
-        self.cancelled = threading.Event()
+        self.cancelled = cancelled or threading.Event()
         self.base: int | None = None
         self.fed = 0  # fork tokens already in the cache (question + generated)
         self.generated: list[int] = []

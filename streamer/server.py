@@ -43,6 +43,28 @@ class ServerConfig:
     ping_timeout: float | None = 20.0
 
 
+class InvalidText:
+    """What `recv` returns for a text frame that is not UTF-8 (the frame is consumed)."""
+
+    def __init__(self, exc: UnicodeDecodeError) -> None:
+        self.exc = exc
+
+
+class LenientConnection(ServerConnection):
+    """RFC 6455 says a text frame with invalid UTF-8 fails the connection (1007). A session
+    holds accepted data and live state that a client bug should not cost, so we answer with an
+    `invalid_utf8` error event instead and keep the connection; everything else is unchanged."""
+
+    async def recv(self, decode: bool | None = None):
+        try:
+            return await self.recv_messages.get(decode)
+        except UnicodeDecodeError as exc:
+            return InvalidText(exc)
+        except EOFError:  # closed: surface it exactly like the base class does
+            await asyncio.shield(self.connection_lost_waiter)
+            raise self.close_exc from None
+
+
 class Connection:
     """One client connection: owns the sessions it created; closes them when it goes."""
 
@@ -113,10 +135,9 @@ class Connection:
         writer = self.loop.create_task(self.writer())
         try:
             while True:
-                try:
-                    frame = await self.ws.recv()
-                except UnicodeDecodeError as exc:
-                    self.send(self.proto.protocol_error(self.proto.invalid_utf8(exc)))
+                frame = await self.ws.recv()
+                if isinstance(frame, InvalidText):
+                    self.send(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
                     continue
                 try:
                     cmd = (self.proto.receive_text(frame) if isinstance(frame, str)
@@ -253,6 +274,7 @@ class StreamerServer:
         cfg = self.config
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
+            create_connection=LenientConnection,
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
         log.info("listening on ws://%s:%d (model %s)", cfg.host, self.port, self.engine.runner.name)
         return self

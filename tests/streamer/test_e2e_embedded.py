@@ -1,0 +1,95 @@
+"""End to end on the embedded SmolLM2 model: real server, real client, real CLI processes."""
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from importlib import resources
+
+import pytest
+from wsutil import serve
+
+from streamer.clients.client import StreamerClient
+
+pytestmark = pytest.mark.embedded
+
+DOC = resources.files("streamer").joinpath("data", "lighthouse_log.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def embedded_engine(embedded):
+    from streamer.sessions.engine import Engine
+    from streamer.sessions.runner import ModelRunner
+
+    engine = Engine(ModelRunner(embedded.model, embedded.tokenizer, embedded.name)).start()
+    yield engine
+    engine.stop()
+
+
+def test_stream_document_and_ask(embedded_engine):
+    paragraphs = [p + "\n\n" for p in DOC.split("\n\n")]
+
+    async def test(url, server):
+        async with await StreamerClient.connect(url) as client:
+            session = await client.create_session()
+            acks = [await session.append(p) for p in paragraphs[:4]]
+            early = await session.ask("What is the keeper's name?", max_tokens=24)
+            for p in paragraphs[4:]:
+                acks.append(await session.append(p))
+            late = await session.ask("Who is the assistant keeper now?", max_tokens=24)
+            state = await session.state()
+            return acks, early, late, state
+
+    acks, early, late, state = serve(embedded_engine, test)
+    assert [a.seq for a in acks] == list(range(1, len(acks) + 1))
+    assert state["tokens"] == acks[-1].total_tokens > 3000
+    assert "ada" in early.text.lower(), early.text
+    assert "owen" in late.text.lower(), late.text
+    assert late.context_tokens == state["tokens"]
+
+
+def _streamer(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "streamer", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, **kw)
+
+
+def test_cli_serve_and_client_stream(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("\n\n".join(DOC.split("\n\n")[:3]))
+    server = _streamer("serve", "--port", "0")
+    try:
+        port = None
+        for line in server.stdout:
+            if m := re.search(r"listening on ws://127\.0\.0\.1:(\d+)", line):
+                port = int(m.group(1))
+                break
+        assert port, "server did not report its port"
+        health = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10))
+        assert health["status"] == "ok" and health["model"] == "SmolLM2-135M-Instruct"
+        client = _streamer("client", "stream", str(doc), "--url", f"ws://127.0.0.1:{port}", "--chunk-chars", "300",
+                           "--ask", "What is the keeper's name?", "--ask-every", "2", "--json")
+        out, _ = client.communicate(timeout=300)
+        assert client.returncode == 0, out
+        events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        answers = [e for e in events if e["event"] == "answer"]
+        assert len(answers) >= 2 and any("ada" in a["text"].lower() for a in answers), out
+        assert answers[-1]["context_tokens"] > answers[0]["context_tokens"]
+        bad = _streamer("client", "stream", str(tmp_path / "missing.txt"), "--url", f"ws://127.0.0.1:{port}")
+        out, _ = bad.communicate(timeout=60)
+        assert bad.returncode != 0 and "missing.txt" in out
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_demo_command_runs(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("\n\n".join(DOC.split("\n\n")[:2]))
+    demo = _streamer("demo", "--file", str(doc))
+    out, _ = demo.communicate(timeout=300)
+    assert demo.returncode == 0, out
+    assert "What is this document about?" in out and "demo finished" in out
+    assert re.search(r"first token \d+ ms", out)

@@ -1,0 +1,65 @@
+"""Helpers for tests that talk to a real server over a real socket."""
+
+import asyncio
+import json
+
+from websockets.asyncio.client import connect
+
+from streamer.server import ServerConfig, StreamerServer
+
+
+class Raw:
+    """A bare websocket peer: sends exactly what a test says, reads events as dicts."""
+
+    def __init__(self, ws):
+        self.ws = ws
+
+    async def send(self, msg):
+        await self.ws.send(msg if isinstance(msg, (str, bytes)) else json.dumps(msg))
+
+    async def recv(self, timeout=30.0):
+        return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+
+    async def until(self, kind, timeout=60.0):
+        """Events up to and including the first of type `kind`."""
+        seen = []
+        while True:
+            event = await self.recv(timeout)
+            seen.append(event)
+            if event["type"] == kind:
+                return seen
+
+    async def request(self, msg):
+        await self.send(msg)
+        return await self.recv()
+
+    async def create(self, **fields):
+        created = await self.request({"type": "session.create", **fields})
+        assert created["type"] == "session.created", created
+        return created["session_id"]
+
+    async def still_serving(self, sid):
+        """The connection and the session work after whatever just happened."""
+        ack = await self.request({"type": "input.text.append", "session_id": sid, "text": " Still here."})
+        assert ack["type"] == "input.ack", ack
+        await self.send({"type": "query.create", "session_id": sid, "question": "Ok?", "max_tokens": 3})
+        events = await self.until("query.done")
+        assert events[-1]["finish_reason"] in ("length", "stop")
+        return ack
+
+
+def serve(engine, test, **config):
+    """Run `test(url, server)` against a real server on a free port."""
+
+    async def main():
+        server = await StreamerServer(engine, ServerConfig(port=0, **config)).start()
+        try:
+            return await test(f"ws://127.0.0.1:{server.port}", server)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+async def raw(url):
+    return Raw(await connect(url, max_size=None))
