@@ -113,7 +113,7 @@ class ServerProtocol:
 
     def receive_text(self, data: str | bytes) -> Command:
         """Parse one text frame. Raises ProtocolError (always recoverable)."""
-        size = len(data.encode() if isinstance(data, str) else data)
+        size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
         if size > self.limits.max_message_bytes:
             raise ProtocolError(MESSAGE_TOO_LARGE,
                                 f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes} bytes")
@@ -142,12 +142,13 @@ class ServerProtocol:
         return ProtocolError(INVALID_UTF8, f"text frame is not valid UTF-8{where}")
 
     def _command(self, msg: dict) -> Command:
+        sid = msg.get("session_id")
+        session_id = sid if _is_id(sid, self.limits.max_id_chars) else None  # echoed only if well-formed
         event_id = msg.get("event_id")
         if event_id is not None and not _is_id(event_id, self.limits.max_id_chars):
             raise ProtocolError(INVALID_FIELD, f"event_id must be a string of 1-{self.limits.max_id_chars} "
-                                "printable characters", param="event_id")
+                                "printable characters", param="event_id", session_id=session_id)
         kind = msg.get("type")
-        session_id = msg.get("session_id") if isinstance(msg.get("session_id"), str) else None
         try:
             if kind is None:
                 raise ProtocolError(MISSING_FIELD, "message has no 'type'", param="type")
@@ -181,6 +182,8 @@ class ServerProtocol:
         if spec.kind == "str":
             if not isinstance(value, str):
                 bad = "a string"
+            elif not _is_unicode(value):
+                bad = "valid Unicode (no lone surrogates)"
             elif spec.limit and len(value) > getattr(self.limits, spec.limit):
                 raise ProtocolError(MESSAGE_TOO_LARGE, f"'{name}' has {len(value)} characters; the limit is "
                                     f"{getattr(self.limits, spec.limit)}", param=name)
@@ -191,8 +194,8 @@ class ServerProtocol:
             if isinstance(value, bool) or not isinstance(value, int):
                 bad = "an integer"
         elif spec.kind == "float":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                bad = "a number"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+                bad = "a finite number"
             else:
                 value = float(value)
         elif spec.kind == "bool":
@@ -230,6 +233,21 @@ class ServerProtocol:
 
 def _is_id(value: Any, limit: int) -> bool:
     return isinstance(value, str) and 0 < len(value) <= limit and value.isprintable()
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -145,7 +145,12 @@ class Connection:
                 except ProtocolError as err:
                     self.send(self.proto.protocol_error(err))
                     continue
-                self.handlers[cmd.type](cmd)
+                try:
+                    self.handlers[cmd.type](cmd)
+                except Exception as exc:  # a bug must cost one request, not the connection
+                    log.exception("handling %s failed", cmd.type)
+                    self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
+                                               reply_to=cmd.event_id, session_id=cmd.session_id))
         finally:
             writer.cancel()
 
