@@ -59,3 +59,74 @@ def cache_attention(
     out = F.scaled_dot_product_attention(query.unsqueeze(0), k, v, attn_mask=mask, scale=scaling,
                                          is_causal=square, enable_gqa=heads != kv_heads)
     return out[0].transpose(0, 1)
+
+
+def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one key range, with its log-sum-exp for merging.
+
+    q: `[heads, n, d]`; k, v: `[kv_heads, t, d]`; mask: `[n, t]` bool or None.
+    Returns out `[heads, n, d]` and lse `[heads, n]` (-inf rows where nothing is visible).
+    """
+    heads, n, dim = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    qf = q.reshape(kv_heads, group * n, dim)
+    scores = torch.matmul(qf, k.transpose(1, 2)).mul_(scaling)
+    if mask is not None:
+        scores.masked_fill_(~mask.repeat(group, 1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.exp(scores - lse).nan_to_num_(0.0)  # rows that see nothing contribute nothing
+    out = torch.matmul(probs, v)
+    return out.reshape(heads, n, dim), lse.reshape(heads, n)
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine attention computed over disjoint key ranges by their log-sum-exps."""
+    lse = torch.stack([p[1] for p in parts])  # [ranges, heads, n]
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total).nan_to_num_(0.0)
+    return sum(w.unsqueeze(-1) * p[0] for w, p in zip(weights, parts))
+
+
+def forked_attention(
+    queries: list[torch.Tensor],
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_len: int,
+    suffixes: list[tuple[torch.Tensor, torch.Tensor, int]],
+    scaling: float | None = None,
+) -> list[torch.Tensor]:
+    """Several forks of one session: each fork's new queries attend to the shared prefix
+    `[0, prefix_len)` and to its own suffix cache, causally.
+
+    The shared prefix is read once for all forks: their queries are stacked into one matmul
+    against it; each suffix is attended separately; the two ranges are merged by log-sum-exp.
+    This equals one attention over `prefix + suffix` with the offset-causal mask.
+
+    Args:
+        queries: per fork `[heads, n_i, d]`.
+        prefix_k, prefix_v: `[kv_heads, capacity, d]` with `prefix_len` valid slots.
+        suffixes: per fork `(k_cache, v_cache, start)`: slots `[0, start + n_i)` valid, the new
+            tokens at `[start, start + n_i)`.
+
+    Returns:
+        per fork `[n_i, heads, d]`.
+    """
+    if len(queries) != len(suffixes):
+        raise ValueError(f"{len(queries)} query blocks but {len(suffixes)} suffix caches")
+    dim = queries[0].shape[-1]
+    scale = dim ** -0.5 if scaling is None else scaling
+    sizes = [q.shape[1] for q in queries]
+    stacked = torch.cat(queries, dim=1) if len(queries) > 1 else queries[0]
+    shared = None
+    if prefix_len > 0:
+        out, lse = _partial_attention(stacked, prefix_k[:, :prefix_len], prefix_v[:, :prefix_len], None, scale)
+        shared = list(zip(out.split(sizes, dim=1), lse.split(sizes, dim=1)))
+    results = []
+    for i, (q, (k, v, start)) in enumerate(zip(queries, suffixes)):
+        n = q.shape[1]
+        own = _partial_attention(q, k[:, :start + n], v[:, :start + n], causal_offset_mask(n, start, q.device), scale)
+        merged = merge_partials([shared[i], own]) if shared is not None else own[0]
+        results.append(merged.transpose(0, 1))
+    return results

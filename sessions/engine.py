@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from .errors import (EngineError, EngineStopped, InputEnded, InvalidRequest, SessionClosed,
                      SessionNotFound)
-from .jobs import Job, PrefillJob, QueryJob, ReviseJob
+from .flash import FlashJob, FlashQuestion, normalize, validate_registration
+from .jobs import Job, PrefillJob, QueryJob, QueryResult, ReviseJob
 from .runner import ModelRunner, SeqStep
 from .sampling import SamplingParams, stop_token_ids
 from .session import Session
@@ -37,6 +38,7 @@ class EngineLimits:
     max_question_tokens: int = 1024
     max_answer_tokens: int = 1024
     max_context_tokens: int | None = None  # per session; default: the model's window
+    max_flash_per_session: int = 16
 
 
 @dataclass(slots=True)
@@ -47,7 +49,12 @@ class EngineStats:
     step_seconds: float = 0.0
     tokens_ingested: int = 0
     queries: int = 0
+    queries_cached: int = 0
     sessions_created: int = 0
+    flash_evaluations: int = 0  # batched evaluations (jobs), not questions
+    flash_questions_evaluated: int = 0
+    flash_pushed: int = 0
+    flash_cancelled: int = 0
 
 
 class QueryHandle:
@@ -70,6 +77,7 @@ class Engine:
         self.stop_ids = stop_token_ids(runner.tokenizer, runner.model)
         self.sessions: dict[str, Session] = {}
         self._queues: dict[str, deque[tuple[Job, Future]]] = {}
+        self._flash: dict[str, FlashJob] = {}  # running flash evaluation per session
         self._control: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._order = itertools.count()
@@ -116,8 +124,11 @@ class Engine:
         self._wake.set()
         return fut
 
-    def create_session(self, system_prompt: str | None = None, session_id: str | None = None) -> Future:
-        """Resolves to the new session's state once its system prompt is in the cache."""
+    def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
+                       flash: list[dict] | None = None) -> Future:
+        """Resolves to the new session's state once its system prompt is in the cache. `flash`
+        lists questions to register (keyword arguments of `register_flash`); if one is refused,
+        no session is created."""
 
         def create():
             if len(self.sessions) >= self.limits.max_sessions:
@@ -130,6 +141,9 @@ class Engine:
             if len(session.prefix_ids) >= session.context_window:
                 raise InvalidRequest(f"system prompt of {len(session.prefix_ids)} tokens does not fit "
                                      f"the context window of {session.context_window} tokens")
+            for item in flash or ():
+                q = self._flash_question(session, **item)
+                session.flash[q.flash_id] = q
             self.sessions[sid] = session
             self._queues[sid] = deque()
             self.stats.sessions_created += 1
@@ -173,6 +187,11 @@ class Engine:
         def query():
             session = self._live(session_id)
             params.validate(self.limits.max_answer_tokens)
+            cached = self._cached_answer(session, question, params, query_id)
+            if cached is not None:
+                if on_delta is not None and cached.text:
+                    on_delta(cached.text)
+                return cached
             job = QueryJob(session, query_id or secrets.token_hex(6), question, params,
                            self.stop_ids, on_delta, cancelled)
             if len(job.question_ids) > self.limits.max_question_tokens:
@@ -182,6 +201,51 @@ class Engine:
 
         return QueryHandle(self._call(query), cancelled)
 
+    def register_flash(self, session_id: str, question: str, flash_id: str | None = None, max_tokens: int = 32,
+                       priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1) -> Future:
+        """Register a flash question; resolves to its state. It is evaluated in idle time after
+        every data update, and `flash.updated` goes to the session's listeners on a change."""
+
+        def register():
+            session = self._live(session_id)
+            q = self._flash_question(session, question, flash_id, max_tokens, priority, min_interval_s, confirm)
+            session.flash[q.flash_id] = q
+            return q.state(session.data_version)
+
+        return self._call(register)
+
+    def _flash_question(self, session: Session, question: str, flash_id: str | None = None, max_tokens: int = 32,
+                        priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1) -> FlashQuestion:
+        q = validate_registration(session, question, flash_id, max_tokens, priority, min_interval_s,
+                                  confirm, self.limits.max_flash_per_session, self.limits.max_answer_tokens)
+        if len(q.question_ids) > self.limits.max_question_tokens:
+            raise InvalidRequest(f"question of {len(q.question_ids)} tokens exceeds the limit of "
+                                 f"{self.limits.max_question_tokens} tokens", code="question_too_long")
+        return q
+
+    def unregister_flash(self, session_id: str, flash_id: str) -> Future:
+        def unregister():
+            session = self._live(session_id)
+            q = session.flash.pop(flash_id, None)
+            if q is None:
+                raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code="flash_not_found")
+            return q.state(session.data_version)
+
+        return self._call(unregister)
+
+    def add_listener(self, session_id: str, listener: Callable[[str, dict], None]) -> Future:
+        """`listener(event_type, payload)` is called on the engine thread for session events
+        (`flash.updated`); it must not block."""
+        return self._call(lambda: self._live(session_id).listeners.append(listener))
+
+    def remove_listener(self, session_id: str, listener: Callable[[str, dict], None]) -> Future:
+        def remove():
+            session = self.sessions.get(session_id)
+            if session is not None and listener in session.listeners:
+                session.listeners.remove(listener)
+
+        return self._call(remove)
+
     def close_session(self, session_id: str) -> Future:
         def close():
             session = self._live(session_id)
@@ -190,6 +254,7 @@ class Engine:
                 job.abort()
                 fut.set_exception(SessionClosed(f"session {session_id} was closed"))
             del self.sessions[session_id]
+            self._flash.pop(session_id, None)
             return session.state()
 
         return self._call(close)
@@ -202,7 +267,9 @@ class Engine:
         return {"sessions": len(self.sessions), "steps": s.steps, "step_tokens": s.step_tokens,
                 "step_sequences": s.step_sequences,
                 "step_seconds": s.step_seconds, "tokens_ingested": s.tokens_ingested,
-                "queries": s.queries, "sessions_created": s.sessions_created,
+                "queries": s.queries, "queries_cached": s.queries_cached, "sessions_created": s.sessions_created,
+                "flash_evaluations": s.flash_evaluations, "flash_questions_evaluated": s.flash_questions_evaluated,
+                "flash_pushed": s.flash_pushed, "flash_cancelled": s.flash_cancelled,
                 "queued_jobs": sum(len(q) for q in list(self._queues.values()))}
 
     # ---- engine thread ---------------------------------------------------------------------
@@ -235,59 +302,135 @@ class Engine:
             if batch:
                 self._execute(batch)
             elif not self._control:
-                self._wake.wait()
+                self._wake.wait(self._next_flash_due())
                 self._wake.clear()
         self._fail_all(EngineStopped())
 
-    def _schedule(self) -> list[tuple[Job, Future, SeqStep]]:
-        """The whole policy: the head job of each session, by priority then arrival, packed
-        into the step's token budget. Jobs that finish without a forward resolve here."""
-        heads = sorted((q[0] for q in self._queues.values() if q), key=lambda jf: (jf[0].priority, jf[0].order))
+    def _schedule(self) -> list[tuple[Job, Future | None, list[SeqStep]]]:
+        """The whole policy: the head job of each session's queue plus each session's flash
+        evaluation, by priority then arrival, packed into the step's token budget. Jobs that
+        finish without a forward resolve here."""
+        self._start_flash()
+        candidates = [q[0] for q in self._queues.values() if q]
+        candidates += [(job, None) for job in self._flash.values()]
+        candidates.sort(key=lambda jf: (jf[0].priority, jf[0].order))
         budget = self.limits.step_tokens
         batch = []
-        for job, fut in heads:
+        for job, fut in candidates:
             if budget <= 0:
                 break
             try:
-                step = job.plan(budget)
+                steps = job.plan(budget)
             except Exception as exc:
                 self._resolve(job, fut, exc)
                 continue
-            if step is None:
-                if job.done:
-                    self._resolve(job, fut)
-                continue
-            batch.append((job, fut, step))
-            budget -= step.n
+            if steps:
+                batch.append((job, fut, steps))
+                budget -= sum(step.n for step in steps)
+            elif job.done:
+                self._resolve(job, fut)
         return batch
 
-    def _execute(self, batch: list[tuple[Job, Future, SeqStep]]) -> None:
+    def _execute(self, batch: list[tuple[Job, Future | None, list[SeqStep]]]) -> None:
         started = time.perf_counter()
+        steps = [step for _, _, job_steps in batch for step in job_steps]
         try:
-            logits = self.runner.forward([step for _, _, step in batch], logits="last")
+            logits = self.runner.forward(steps, logits="last")
         except Exception as exc:
             log.exception("forward failed for %d jobs", len(batch))
             for job, fut, _ in batch:
                 self._resolve(job, fut, EngineError(f"model step failed: {exc}", code="internal_error"))
             return
-        tokens = sum(step.n for _, _, step in batch)
         self.stats.steps += 1
-        self.stats.step_tokens += tokens
-        self.stats.step_sequences += len(batch)
+        self.stats.step_tokens += sum(step.n for step in steps)
+        self.stats.step_sequences += len(steps)
         self.stats.step_seconds += time.perf_counter() - started
-        for (job, fut, step), row in zip(batch, logits):
+        rows = iter(logits)
+        for job, fut, job_steps in batch:
+            job_rows = [next(rows) for _ in job_steps]
             try:
-                job.complete(row)
+                job.complete_many(job_rows)
             except Exception as exc:
                 log.exception("job %s failed", type(job).__name__)
                 self._resolve(job, fut, exc)
                 continue
             if isinstance(job, PrefillJob) and job.text is not None:
-                self.stats.tokens_ingested += step.n
+                self.stats.tokens_ingested += sum(step.n for step in job_steps)
             if job.done:
                 self._resolve(job, fut)
 
-    def _resolve(self, job: Job, fut: Future, exc: BaseException | None = None) -> None:
+    # ---- flash questions -------------------------------------------------------------------
+
+    def _start_flash(self) -> None:
+        """Start one batched evaluation for each session that is idle (no input waiting) and
+        has questions due (their last evaluation is older than the data and their interval)."""
+        now = time.monotonic()
+        for sid, session in self.sessions.items():
+            if sid in self._flash or not session.flash or session.pending_tokens:
+                continue
+            if any(isinstance(job, PrefillJob) for job, _ in self._queues[sid]):
+                continue
+            due = [q for q in session.flash.values() if q.due(session.data_version, now)]
+            if due:
+                job = FlashJob(session, due, self.stop_ids)
+                job.order = next(self._order)
+                self._flash[sid] = job
+                self.stats.flash_evaluations += 1
+
+    def _next_flash_due(self) -> float | None:
+        """Seconds until a flash question waiting on its min interval becomes due (or None)."""
+        now, soonest = time.monotonic(), None
+        for session in self.sessions.values():
+            for q in session.flash.values():
+                if q.evaluated_version < session.data_version:
+                    wait = max(0.0, q.last_eval_at + q.min_interval_s - now)
+                    soonest = wait if soonest is None else min(soonest, wait)
+        return soonest
+
+    def _finish_flash(self, job: FlashJob, exc: BaseException | None) -> None:
+        session = job.session
+        if self._flash.get(session.id) is job:
+            del self._flash[session.id]
+        if exc is not None:
+            log.error("flash evaluation on session %s failed: %s", session.id, exc)
+            for f in job.forks:  # do not retry the same data in a loop
+                f.q.evaluated_version = max(f.q.evaluated_version, job.version)
+            return
+        if job.cancelled:
+            self.stats.flash_cancelled += 1
+            return
+        for q, answer in job.results:
+            if session.flash.get(q.flash_id) is not q:
+                continue  # unregistered while it ran
+            self.stats.flash_questions_evaluated += 1
+            if q.observe(answer):
+                self.stats.flash_pushed += 1
+                session.notify("flash.updated", {"flash_id": q.flash_id, "question": q.question, **answer.public()})
+
+    def _cached_answer(self, session: Session, question: str, params: SamplingParams,
+                       query_id: str | None) -> QueryResult | None:
+        """A query that asks a registered question whose answer is current needs no model."""
+        if params.temperature != 0 or params.stop or session.pending_tokens:
+            return None
+        key = normalize(question)
+        for q in session.flash.values():
+            a = q.answer
+            if normalize(q.question) != key or a is None or a.data_version != session.data_version:
+                continue
+            complete = params.max_tokens == q.max_tokens or (a.finish_reason == "stop" and len(a.tokens) < params.max_tokens)
+            if not complete:
+                return None
+            self.stats.queries_cached += 1
+            session.queries_answered += 1
+            return QueryResult(session.id, query_id or secrets.token_hex(6), a.text, list(a.tokens), a.finish_reason,
+                               a.data_version, session.cache.length, len(q.question_ids), 0.0, 0.0, 0.0, 0.0,
+                               cached=True)
+        return None
+
+    def _resolve(self, job: Job, fut: Future | None, exc: BaseException | None = None) -> None:
+        if isinstance(job, FlashJob):
+            self._finish_flash(job, exc)
+            return
         queue = self._queues.get(job.session.id)
         if queue and queue[0][0] is job:
             queue.popleft()

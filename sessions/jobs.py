@@ -30,7 +30,8 @@ class Priority(IntEnum):
 
 
 class Job:
-    """Base: `plan` -> forward -> `complete`, until `done`."""
+    """Base: `plan` -> forward -> `complete`, until `done`. Most jobs run one sequence a step
+    (`plan_one`/`complete_one`); a job may run several (`plan`/`complete_many`)."""
 
     priority: Priority = Priority.INGEST
 
@@ -41,10 +42,17 @@ class Job:
         self.order = 0  # arrival order, set by the engine: FIFO within a priority
         self._planned = 0
 
-    def plan(self, budget: int) -> SeqStep | None:
+    def plan(self, budget: int) -> list[SeqStep]:
+        step = self.plan_one(budget)
+        return [] if step is None else [step]
+
+    def complete_many(self, rows: list[torch.Tensor]) -> None:
+        self.complete_one(rows[0])
+
+    def plan_one(self, budget: int) -> SeqStep | None:
         raise NotImplementedError
 
-    def complete(self, logits: torch.Tensor) -> None:
+    def complete_one(self, logits: torch.Tensor) -> None:
         raise NotImplementedError
 
     def abort(self) -> None:
@@ -71,7 +79,7 @@ class PrefillJob(Job):
         """Runs once, when the job first reaches the head of its session's queue."""
         self.start = self.session.cache.length
 
-    def plan(self, budget: int) -> SeqStep | None:
+    def plan_one(self, budget: int) -> SeqStep | None:
         if self.start is None:
             self.begin()
         n = min(budget, len(self.tokens) - self.pos)
@@ -81,7 +89,7 @@ class PrefillJob(Job):
         self._planned = n
         return SeqStep(self.session.cache, self.start + self.pos, self.tokens[self.pos:self.pos + n])
 
-    def complete(self, logits: torch.Tensor) -> None:
+    def complete_one(self, logits: torch.Tensor) -> None:
         self.pos += self._planned
         self.session.cache.commit(self.start + self.pos)
         self.session.pending_tokens -= self._planned
@@ -139,6 +147,7 @@ class ReviseJob(PrefillJob):
         self.replaced = [c.seq for c in tail]
         del s.chunks[first:]
         s.cache.crop(base + self.kept)
+        s.crop_epoch += 1  # forks reading the old tail (flash evaluations) are now stale
         self.start, self.pos = base, self.kept
         s.pending_tokens -= self.kept
 
@@ -172,7 +181,7 @@ class QueryResult:
     prefill_s: float
     first_token_s: float
     total_s: float
-    timing: dict = field(default_factory=dict)
+    cached: bool = False  # answered from a current flash answer, without running the model
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -219,7 +228,7 @@ class QueryJob(Job):
         self.max_new = min(self.params.max_tokens, room)
         s.cache.reserve(self.base + len(self.question_ids) + max(self.max_new, 0))
 
-    def plan(self, budget: int) -> SeqStep | None:
+    def plan_one(self, budget: int) -> SeqStep | None:
         if self.base is None:
             self.begin()
         if self.cancelled.is_set():
@@ -234,7 +243,7 @@ class QueryJob(Job):
         self._planned = n
         return SeqStep(self.session.cache, self.base + self.fed, tokens)
 
-    def complete(self, logits: torch.Tensor) -> None:
+    def complete_one(self, logits: torch.Tensor) -> None:
         self.fed += self._planned
         if self.fed < len(self.question_ids):
             return  # more question tokens to prefill
@@ -297,9 +306,7 @@ class QueryJob(Job):
 def drive(runner, job: Job, budget: int = 512):
     """Run one job to completion on the calling thread (tests, benchmarks, replay)."""
     while not job.done:
-        step = job.plan(budget)
-        if step is None:
-            continue
-        logits = runner.forward([step], logits="last")
-        job.complete(logits[0])
+        steps = job.plan(budget)
+        if steps:
+            job.complete_many(runner.forward(steps, logits="last"))
     return job.result()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamer.kernels import cache_attention
+from streamer.kernels import cache_attention, forked_attention
 
 from .kvcache import KVCache, KVShape
 
@@ -24,16 +24,27 @@ ATTENTION_NAME = "streamer_cache"
 
 @dataclass(slots=True)
 class SeqStep:
-    """New tokens of one sequence in a packed step: written at cache slots [start, start+n)."""
+    """New tokens of one sequence in a packed step: written at cache slots [start, start+n).
+
+    A fork (a question on a session) may keep its tokens in a cache of its own: then `prefix`
+    is the session's cache, read-only, of which the first `prefix_len` tokens come before the
+    fork's; positions continue from there. Forks of one prefix in one step read it once.
+    """
 
     cache: KVCache
     start: int
     tokens: Sequence[int]
+    prefix: KVCache | None = None
+    prefix_len: int = 0
     offset: int = 0  # index of the first token in the packed batch
 
     @property
     def n(self) -> int:
         return len(self.tokens)
+
+    @property
+    def position(self) -> int:
+        return self.prefix_len + self.start
 
 
 @dataclass(slots=True)
@@ -47,15 +58,25 @@ def _session_attention(module, query, key, value, attention_mask, scaling=None, 
     if streamer_meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs `streamer_meta`; run through ModelRunner")
     layer = module.layer_idx
-    outputs = []
-    for seq in streamer_meta.seqs:
+    seqs = streamer_meta.seqs
+    out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [N, H, D]
+    forks: dict[tuple[int, int], list[SeqStep]] = {}
+    for seq in seqs:
         k_cache, v_cache = seq.cache.layer(layer)
         src = slice(seq.offset, seq.offset + seq.n)
-        dst = slice(seq.start, seq.start + seq.n)
-        k_cache[:, dst] = key[0, :, src]
-        v_cache[:, dst] = value[0, :, src]
-        outputs.append(cache_attention(query[0, :, src], k_cache, v_cache, seq.start, scaling))
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        k_cache[:, seq.start:seq.start + seq.n] = key[0, :, src]
+        v_cache[:, seq.start:seq.start + seq.n] = value[0, :, src]
+        if seq.prefix is None:
+            out[src] = cache_attention(query[0, :, src], k_cache, v_cache, seq.start, scaling)
+        else:
+            forks.setdefault((id(seq.prefix), seq.prefix_len), []).append(seq)
+    for group in forks.values():
+        prefix_k, prefix_v = group[0].prefix.layer(layer)
+        results = forked_attention(
+            [query[0, :, s.offset:s.offset + s.n] for s in group], prefix_k, prefix_v, group[0].prefix_len,
+            [(*s.cache.layer(layer), s.start) for s in group], scaling)
+        for s, r in zip(group, results):
+            out[s.offset:s.offset + s.n] = r
     return out.unsqueeze(0), None
 
 
@@ -112,7 +133,7 @@ class ModelRunner:
             seq.cache.reserve(seq.start + seq.n)
             seq.offset = len(ids)
             ids.extend(seq.tokens)
-            positions.append(torch.arange(seq.start, seq.start + seq.n))
+            positions.append(torch.arange(seq.position, seq.position + seq.n))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         if logits == "all":

@@ -65,6 +65,10 @@ class Session:
         self.last_input_at: float | None = None
         self.last_logits = None  # logits after the newest committed token
         self.queries_answered = 0
+        self.crop_epoch = 0  # bumped when tokens already in the cache are replaced (revise)
+        self.flash: dict = {}  # flash_id -> FlashQuestion
+        self.next_flash_id = 1
+        self.listeners: list = []  # callables (event_type, payload) on the engine thread
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 
     @property
@@ -135,4 +139,12 @@ class Session:
             "created_at": self.created_at,
             "last_input_at": self.last_input_at,
             "queries_answered": self.queries_answered,
+            "flash": [q.state(self.data_version) for q in self.flash.values()],
         }
+
+    def notify(self, event: str, payload: dict) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(event, payload)
+            except Exception:  # a broken subscriber never breaks the session
+                self.log.exception("listener failed on %s", event)

@@ -52,6 +52,7 @@ class ProtocolLimits:
     max_question_chars: int = 8 * 1024
     max_system_prompt_chars: int = 16 * 1024
     max_id_chars: int = 64
+    max_flash_at_create: int = 64  # flash questions listed in one session.create
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -77,9 +78,17 @@ class _Field:
 
 
 _SID = _Field("id", required=True)
+FLASH_FIELDS: dict[str, _Field] = {
+    "question": _Field("str", True, limit="max_question_chars"),
+    "flash_id": _Field("id"),
+    "max_tokens": _Field("int", lo=1),
+    "priority": _Field("int", lo=-100, hi=100),
+    "min_interval_ms": _Field("int", lo=0, hi=86_400_000),
+    "confirm": _Field("int", lo=1, hi=100),
+}
 SCHEMAS: dict[str, dict[str, _Field]] = {
     "session.create": {"system_prompt": _Field("str", limit="max_system_prompt_chars"),
-                       "session_id": _Field("id")},
+                       "session_id": _Field("id"), "flash": _Field("flashlist")},
     "session.get": {"session_id": _SID},
     "session.close": {"session_id": _SID},
     "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars")},
@@ -99,6 +108,10 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
         "stream": _Field("bool"),
     },
     "query.cancel": {"session_id": _SID, "query_id": _Field("id", required=True)},
+    "flash.register": {"session_id": _SID, **FLASH_FIELDS},
+    "flash.unregister": {"session_id": _SID, "flash_id": _Field("id", required=True)},
+    "subscribe": {"session_id": _SID, "token": _Field("id", required=True)},
+    "unsubscribe": {"session_id": _SID},
 }
 
 
@@ -162,8 +175,8 @@ class ServerProtocol:
         sid = fields.pop("session_id", None)
         return Command(kind, event_id, sid, fields)
 
-    def _validate(self, kind: str, msg: dict) -> dict[str, Any]:
-        schema = SCHEMAS[kind]
+    def _validate(self, kind: str, msg: dict, schema: dict[str, _Field] | None = None) -> dict[str, Any]:
+        schema = SCHEMAS[kind] if schema is None else schema
         extra = set(msg) - set(schema) - {"type", "event_id"}
         if extra:
             name = sorted(extra)[0]
@@ -201,6 +214,20 @@ class ServerProtocol:
         elif spec.kind == "bool":
             if not isinstance(value, bool):
                 bad = "true or false"
+        elif spec.kind == "flashlist":
+            limit = self.limits.max_flash_at_create
+            if not isinstance(value, list) or len(value) > limit:
+                bad = f"a list of at most {limit} flash questions"
+            else:
+                items = []
+                for i, item in enumerate(value):
+                    where = f"{kind} {name}[{i}]"
+                    if not isinstance(item, dict):
+                        raise ProtocolError(INVALID_FIELD, f"{where} must be an object, got {_short(item)}", param=name)
+                    if "type" in item or "event_id" in item:
+                        raise ProtocolError(UNKNOWN_FIELD, f"{where} has no field 'type' or 'event_id'", param=name)
+                    items.append(self._validate(where, item, FLASH_FIELDS))
+                value = items
         elif spec.kind == "strlist":
             if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) or len(value) > 8:
                 bad = "a list of at most 8 non-empty strings"

@@ -9,8 +9,10 @@ outbound events go through one bounded queue, so their order is the order they w
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -73,7 +75,9 @@ class Connection:
         self.engine = server.engine
         self.ws = ws
         self.proto = ServerProtocol(server.config.protocol)
-        self.sessions: set[str] = set()
+        self.sessions: set[str] = set()  # sessions this connection produces into
+        self.subscriptions: dict[str, object] = {}  # session id -> engine listener, as a subscriber
+        self.listeners: dict[str, object] = {}  # session id -> engine listener, as the producer
         self.queries: dict[tuple[str, str], object] = {}
         self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
@@ -83,6 +87,8 @@ class Connection:
             "session.close": self.on_session_close, "input.text.append": self.on_append,
             "input.text.revise": self.on_revise, "input.end": self.on_input_end,
             "query.create": self.on_query, "query.cancel": self.on_query_cancel,
+            "flash.register": self.on_flash_register, "flash.unregister": self.on_flash_unregister,
+            "subscribe": self.on_subscribe, "unsubscribe": self.on_unsubscribe,
         }
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -159,19 +165,37 @@ class Connection:
             task.cancel()
         for handle in self.queries.values():
             handle.cancel()
+        for sid, listener in self.subscriptions.items():
+            self.engine.remove_listener(sid, listener)
+        self.subscriptions.clear()
         for sid in self.sessions:
             self.engine.close_session(sid)
+            self.server.subscribe_tokens.pop(sid, None)
         self.sessions.clear()
+
+    def listener(self, sid: str):
+        """An engine listener that forwards session events to this connection (called on the
+        engine thread; the event is built and queued on the loop)."""
+
+        def forward(event: str, payload: dict) -> None:
+            self.loop.call_soon_threadsafe(lambda: self.send(self.proto.event(event, session_id=sid, **payload)))
+
+        return forward
 
     # ---- handlers -------------------------------------------------------------------------
 
     def on_session_create(self, cmd: Command) -> None:
-        fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"])
+        flash = [_flash_args(item) for item in cmd["flash"] or ()]
+        fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash)
 
         def created(state: dict) -> str:
-            self.sessions.add(state["session_id"])
-            return self.proto.event("session.created", reply_to=cmd.event_id, session_id=state["session_id"],
-                                    model=self.engine.runner.name, session=state)
+            sid = state["session_id"]
+            self.sessions.add(sid)
+            self.listeners[sid] = self.listener(sid)
+            self.engine.add_listener(sid, self.listeners[sid])
+            token = self.server.subscribe_tokens[sid] = secrets.token_urlsafe(24)
+            return self.proto.event("session.created", reply_to=cmd.event_id, session_id=sid,
+                                    model=self.engine.runner.name, subscribe_token=token, session=state)
 
         self.reply(cmd, fut, created)
 
@@ -183,6 +207,8 @@ class Connection:
     def on_session_close(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.sessions.discard(cmd.session_id)
+            self.listeners.pop(cmd.session_id, None)
+            self.server.subscribe_tokens.pop(cmd.session_id, None)
             self.reply(cmd, self.engine.close_session(cmd.session_id),
                        lambda st: self.proto.event("session.closed", reply_to=cmd.event_id,
                                                    session_id=cmd.session_id, session=st))
@@ -236,6 +262,7 @@ class Connection:
         def done(result) -> str:
             return self.proto.event(
                 "query.done", reply_to=cmd.event_id, session_id=sid, query_id=query_id, text=result.text,
+                cached=result.cached or None,
                 finish_reason=result.finish_reason, tokens=len(result.tokens), data_version=result.data_version,
                 context_tokens=result.context_tokens, question_tokens=result.question_tokens,
                 timing={"queue_ms": _ms(result.queue_s), "prefill_ms": _ms(result.prefill_s),
@@ -255,6 +282,65 @@ class Connection:
         handle.cancel()
 
 
+    def on_flash_register(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            fut = self.engine.register_flash(cmd.session_id, **_flash_args(cmd.fields))
+            self.reply(cmd, fut, lambda st: self.proto.event("flash.registered", reply_to=cmd.event_id,
+                                                             session_id=cmd.session_id, flash=st))
+
+    def on_flash_unregister(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            fut = self.engine.unregister_flash(cmd.session_id, cmd["flash_id"])
+            self.reply(cmd, fut, lambda st: self.proto.event("flash.unregistered", reply_to=cmd.event_id,
+                                                             session_id=cmd.session_id, flash_id=st["flash_id"]))
+
+    def on_subscribe(self, cmd: Command) -> None:
+        """Read-only access to another connection's session with its subscribe token."""
+        sid = cmd.session_id
+        expected = self.server.subscribe_tokens.get(sid)
+        if expected is None or not hmac.compare_digest(expected.encode(), cmd["token"].encode()):
+            self.refuse(cmd, "session_not_found", f"no session {sid!r} with that subscribe token")
+            return
+        if sid in self.subscriptions:
+            self.refuse(cmd, "invalid_field", f"already subscribed to session {sid}")
+            return
+        listener = self.subscriptions[sid] = self.listener(sid)
+        fut = self.engine.add_listener(sid, listener)
+        self.reply(cmd, _then(fut, self.engine.session_state(sid)),
+                   lambda st: self.proto.event("subscribed", reply_to=cmd.event_id, session_id=sid, session=st))
+
+    def on_unsubscribe(self, cmd: Command) -> None:
+        listener = self.subscriptions.pop(cmd.session_id, None)
+        if listener is None:
+            self.refuse(cmd, "session_not_found", f"not subscribed to session {cmd.session_id!r}")
+            return
+        self.reply(cmd, self.engine.remove_listener(cmd.session_id, listener),
+                   lambda _: self.proto.event("unsubscribed", reply_to=cmd.event_id, session_id=cmd.session_id))
+
+
+def _flash_args(fields: dict) -> dict:
+    """Protocol field names -> Engine.register_flash keyword arguments."""
+    args = {k: v for k, v in fields.items() if k in ("question", "flash_id", "max_tokens", "priority", "confirm")}
+    if fields.get("min_interval_ms") is not None:
+        args["min_interval_s"] = fields["min_interval_ms"] / 1000
+    return args
+
+
+def _then(first: Future, second: Future) -> Future:
+    """A future for `second` that fails with `first`'s error if `first` fails."""
+    out: Future = Future()
+
+    def done(_: Future) -> None:
+        source = first if first.exception() is not None else second
+        if source.exception() is not None:
+            out.set_exception(source.exception())
+        else:
+            out.set_result(source.result())
+
+    first.add_done_callback(lambda _: second.add_done_callback(done))
+    return out
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 2)
 
@@ -267,6 +353,7 @@ class StreamerServer:
         self.config = config or ServerConfig()
         self.connections: set[Connection] = set()
         self.query_ids = iter(range(1, 1 << 62))
+        self.subscribe_tokens: dict[str, str] = {}  # session id -> token for read-only subscribers
         self._server: Server | None = None
 
     @property

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from streamer.kernels import cache_attention, causal_offset_mask
+from streamer.kernels import cache_attention, causal_offset_mask, forked_attention, merge_partials
 
 
 def naive(query, k, v, start, scaling):
@@ -41,3 +41,38 @@ def test_bad_shapes_raise():
         cache_attention(torch.randn(3, 1, 4), torch.randn(2, 4, 4), torch.randn(2, 4, 4), 0)
     with pytest.raises(ValueError, match="cache holds 4 slots"):
         cache_attention(torch.randn(2, 2, 4), torch.randn(2, 4, 4), torch.randn(2, 4, 4), 3)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 1, 37])
+@pytest.mark.parametrize("sizes", [[1], [5], [1, 1, 1], [3, 1, 7]])
+def test_forked_attention_equals_attention_over_the_concatenation(prefix_len, sizes):
+    torch.manual_seed(prefix_len + sum(sizes))
+    kv_heads, group, dim = 2, 3, 8
+    prefix_k = torch.randn(kv_heads, prefix_len + 5, dim)
+    prefix_v = torch.randn_like(prefix_k)
+    queries, suffixes, expected = [], [], []
+    for i, n in enumerate(sizes):
+        start = i  # forks at different depths of their own suffix
+        k = torch.randn(kv_heads, start + n + 3, dim)
+        v = torch.randn_like(k)
+        q = torch.randn(kv_heads * group, n, dim)
+        queries.append(q)
+        suffixes.append((k, v, start))
+        full_k = torch.cat([prefix_k[:, :prefix_len], k[:, :start + n]], dim=1)
+        full_v = torch.cat([prefix_v[:, :prefix_len], v[:, :start + n]], dim=1)
+        expected.append(naive(q, full_k, full_v, prefix_len + start, dim ** -0.5))
+    got = forked_attention(queries, prefix_k, prefix_v, prefix_len, suffixes, dim ** -0.5)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_partials_ignores_empty_ranges():
+    out = torch.randn(2, 3, 4)
+    empty = (torch.zeros(2, 3, 4), torch.full((2, 3), float("-inf")))
+    torch.testing.assert_close(merge_partials([(out, torch.zeros(2, 3)), empty]), out)
+
+
+def test_forked_attention_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="2 query blocks but 1 suffix"):
+        forked_attention([torch.randn(2, 1, 4)] * 2, torch.randn(1, 4, 4), torch.randn(1, 4, 4), 2,
+                         [(torch.randn(1, 4, 4), torch.randn(1, 4, 4), 0)])

@@ -5,7 +5,7 @@ import asyncio
 import json
 import urllib.request
 
-from wsutil import raw, serve
+from wsutil import check_error, raw, serve
 
 from streamer.clients.client import StreamerClient, StreamerError
 
@@ -71,14 +71,6 @@ def test_healthz_and_unknown_path(tiny_engine):
             raise AssertionError("expected 404")
 
     serve(tiny_engine, test)
-
-
-def check_error(event, code, recoverable=True):
-    assert event["type"] == "error", event
-    assert event["error"]["code"] == code, event
-    assert event["error"]["recoverable"] is recoverable
-    assert event["error"]["message"]
-    return event["error"]
 
 
 def bad_input_case(engine, payload, code, **config):

@@ -63,3 +63,11 @@ def serve(engine, test, **config):
 
 async def raw(url):
     return Raw(await connect(url, max_size=None))
+
+
+def check_error(event, code, recoverable=True):
+    assert event["type"] == "error", event
+    assert event["error"]["code"] == code, event
+    assert event["error"]["recoverable"] is recoverable
+    assert event["error"]["message"]
+    return event["error"]

@@ -1,0 +1,232 @@
+"""Flash queries: registered questions, re-answered in idle time after each data update.
+
+All of a session's due questions are evaluated together by one `FlashJob`: each question is
+a fork with a small cache of its own on top of the session's reading cache, so the forks
+never touch the session, run beside its ingest, and read the shared prefix once per step
+(`kernels.forked_attention`). One forward prefills every question; then each step decodes one
+token for every unfinished question.
+
+An evaluation is labelled with the `data_version` it started on. Input that lands while it
+runs does not change that label (the prefix it reads is frozen: appends only write past it);
+a revise, which rewrites the prefix, cancels it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import EngineError, InvalidRequest
+from .jobs import Job, Priority
+from .kvcache import KVCache
+from .runner import SeqStep
+from .session import Session
+
+
+def normalize(text: str) -> str:
+    """What counts as the same answer: case, surrounding punctuation and spacing ignored."""
+    return re.sub(r"\s+", " ", text).strip().strip(".!?,;:").strip().lower()
+
+
+@dataclass(slots=True)
+class FlashAnswer:
+    text: str
+    tokens: list[int]
+    data_version: int
+    logit_gap: float  # top-1 minus top-2 logit of the first answer token
+    mean_prob: float  # mean probability of the chosen tokens
+    eval_s: float
+    evaluated_at: float
+    finish_reason: str
+
+    def public(self) -> dict:
+        return {"answer": self.text, "data_version": self.data_version,
+                "confidence": {"logit_gap": round(self.logit_gap, 4), "mean_prob": round(self.mean_prob, 4)},
+                "eval_ms": round(self.eval_s * 1000, 2), "evaluated_at": self.evaluated_at,
+                "finish_reason": self.finish_reason}
+
+
+@dataclass(slots=True)
+class FlashQuestion:
+    """A registered question and what it last said."""
+
+    flash_id: str
+    question: str
+    question_ids: list[int]
+    max_tokens: int = 32
+    priority: int = 0  # higher first, when a step's budget cannot take every question
+    min_interval_s: float = 0.0  # at least this long between evaluations
+    confirm: int = 1  # consecutive identical answers needed before a change is pushed
+    answer: FlashAnswer | None = None  # the last pushed answer
+    latest: FlashAnswer | None = None  # the last evaluation, pushed or not
+    candidate: str | None = None  # a changed answer waiting for confirmation
+    candidate_count: int = 0
+    evaluated_version: int = -1
+    last_eval_at: float = 0.0
+    evaluations: int = 0
+    history: deque = field(default_factory=lambda: deque(maxlen=32))
+
+    def due(self, version: int, now: float) -> bool:
+        return self.evaluated_version < version and now - self.last_eval_at >= self.min_interval_s
+
+    def observe(self, result: FlashAnswer) -> bool:
+        """Record an evaluation; True when it is to be pushed (first answer, or a change seen
+        `confirm` times in a row)."""
+        self.latest = result
+        self.evaluated_version = max(self.evaluated_version, result.data_version)
+        self.last_eval_at = time.monotonic()
+        self.evaluations += 1
+        self.history.append((result.data_version, result.logit_gap, result.mean_prob, result.evaluated_at))
+        new = normalize(result.text)
+        if self.answer is not None and new == normalize(self.answer.text):
+            self.candidate, self.candidate_count = None, 0
+            self.answer = result  # same answer, fresher version and confidence: not pushed
+            return False
+        if self.answer is not None and self.confirm > 1:
+            self.candidate_count = self.candidate_count + 1 if new == self.candidate else 1
+            self.candidate = new
+            if self.candidate_count < self.confirm:
+                return False
+        self.candidate, self.candidate_count = None, 0
+        self.answer = result
+        return True
+
+    def state(self, data_version: int) -> dict:
+        out = {"flash_id": self.flash_id, "question": self.question, "max_tokens": self.max_tokens,
+               "priority": self.priority, "min_interval_ms": self.min_interval_s * 1000, "confirm": self.confirm,
+               "evaluations": self.evaluations}
+        if self.answer is not None:
+            out.update(self.answer.public())
+            out["staleness"] = {"versions": data_version - self.answer.data_version,
+                                "seconds": round(time.time() - self.answer.evaluated_at, 3)}
+        out["history"] = [{"data_version": v, "logit_gap": round(g, 4), "mean_prob": round(p, 4), "at": t}
+                          for v, g, p, t in self.history]
+        return out
+
+
+class _Fork:
+    __slots__ = ("q", "cache", "fed", "generated", "gap", "probs", "done", "finish_reason", "planned")
+
+    def __init__(self, q: FlashQuestion, cache: KVCache) -> None:
+        self.q = q
+        self.cache = cache
+        self.fed = 0
+        self.generated: list[int] = []
+        self.gap = 0.0
+        self.probs: list[float] = []
+        self.done = False
+        self.finish_reason = ""
+        self.planned = 0
+
+
+class FlashJob(Job):
+    """One evaluation of several flash questions of a session, batched."""
+
+    priority = Priority.FLASH
+
+    def __init__(self, session: Session, questions: list[FlashQuestion], stop_ids: frozenset[int]) -> None:
+        super().__init__(session)
+        self.stop_ids = stop_ids
+        self.base = session.cache.length
+        self.version = session.data_version
+        self.epoch = session.crop_epoch
+        self.started = time.monotonic()
+        self.forks = []
+        room = session.context_window - self.base
+        for q in sorted(questions, key=lambda q: -q.priority):
+            if len(q.question_ids) + 1 > room:
+                continue  # no room to answer at this length: skipped until the context shrinks
+            need = len(q.question_ids) + min(q.max_tokens, room - len(q.question_ids))
+            self.forks.append(_Fork(q, session.runner.new_cache(need)))
+        self.cancelled = False
+        self.results: list[tuple[FlashQuestion, FlashAnswer]] = []
+        if not self.forks:
+            self.done = True
+
+    def plan(self, budget: int) -> list[SeqStep]:
+        s = self.session
+        if s.closed or s.crop_epoch != self.epoch:
+            self.cancelled = self.done = True  # the prefix it read was rewritten: drop it
+            return []
+        steps = []
+        for f in self.forks:
+            if f.done or budget <= 0:
+                continue
+            if f.fed < len(f.q.question_ids):
+                n = min(budget, len(f.q.question_ids) - f.fed)
+                tokens = f.q.question_ids[f.fed:f.fed + n]
+            else:
+                n, tokens = 1, f.generated[-1:]
+            f.planned = n
+            budget -= n
+            steps.append(SeqStep(f.cache, f.fed, tokens, prefix=s.cache, prefix_len=self.base))
+        return steps
+
+    def complete_many(self, rows: list[torch.Tensor]) -> None:
+        planned = [f for f in self.forks if f.planned]
+        for f, logits in zip(planned, rows):
+            f.fed += f.planned
+            f.cache.commit(f.fed)
+            f.planned = 0
+            if f.fed < len(f.q.question_ids):
+                continue
+            self._take(f, logits)
+        if all(f.done for f in self.forks):
+            self._finish()
+
+    def _take(self, f: _Fork, logits: torch.Tensor) -> None:
+        token = int(torch.argmax(logits))
+        probs = torch.softmax(logits.float(), dim=-1)
+        if not f.generated:
+            top = torch.topk(logits, 2).values
+            f.gap = float(top[0] - top[1])
+        f.probs.append(float(probs[token]))
+        limit = min(f.q.max_tokens, f.cache.max_tokens - len(f.q.question_ids))
+        if token in self.stop_ids:
+            f.done, f.finish_reason = True, "stop"
+        else:
+            f.generated.append(token)
+            if len(f.generated) >= limit:
+                f.done = True
+                f.finish_reason = "length" if limit == f.q.max_tokens else "context_window"
+
+    def _finish(self) -> None:
+        now, wall = time.monotonic(), time.time()
+        tok = self.session.tokenizer
+        for f in self.forks:
+            text = tok.decode(f.generated, skip_special_tokens=True)
+            mean = sum(f.probs) / len(f.probs) if f.probs else 0.0
+            self.results.append((f.q, FlashAnswer(text, f.generated, self.version, f.gap, mean,
+                                                  now - self.started, wall, f.finish_reason)))
+        self.done = True
+
+
+def validate_registration(session: Session, question: str, flash_id: str | None, max_tokens: int,
+                          priority: int, min_interval_s: float, confirm: int, limit: int,
+                          answer_limit: int) -> FlashQuestion:
+    """Check a registration against the session's registry and the limits; build it."""
+    if len(session.flash) >= limit:
+        raise EngineError(f"session {session.id} already has {limit} flash questions (the limit)",
+                          code="flash_limit")
+    if not question.strip():
+        raise InvalidRequest("flash question is empty")
+    key = normalize(question)
+    for existing in session.flash.values():
+        if normalize(existing.question) == key:
+            raise EngineError(f"question already registered as {existing.flash_id!r}", code="flash_duplicate")
+    if flash_id is not None and flash_id in session.flash:
+        raise EngineError(f"flash id {flash_id!r} is already in use", code="flash_duplicate")
+    if not 1 <= max_tokens <= answer_limit:
+        raise InvalidRequest(f"max_tokens must be in [1, {answer_limit}], got {max_tokens}")
+    if not 1 <= confirm <= 100:
+        raise InvalidRequest(f"confirm must be in [1, 100], got {confirm}")
+    if min_interval_s < 0:
+        raise InvalidRequest(f"min_interval must be >= 0, got {min_interval_s}")
+    fid = flash_id or f"f{session.next_flash_id}"
+    session.next_flash_id += 1
+    return FlashQuestion(fid, question, session.question_ids(question), max_tokens, priority,
+                         min_interval_s, confirm)

@@ -1,0 +1,85 @@
+"""Flash questions over the websocket: registration, pushes to producer and subscribers,
+cached answers, and the errors around them."""
+
+import asyncio
+
+from wsutil import check_error, raw, serve
+
+
+async def next_of(peer, kind, timeout=60):
+    while True:
+        event = await peer.recv(timeout)
+        if event["type"] == kind:
+            return event
+
+
+def test_flash_pushes_to_producer_and_subscriber_and_serves_cached_answers(tiny_engine):
+    async def test(url, server):
+        producer, watcher = await raw(url), await raw(url)
+        created = await producer.request({"type": "session.create", "flash": [
+            {"question": "Who keeps the light?", "flash_id": "keeper", "max_tokens": 8}]})
+        sid, token = created["session_id"], created["subscribe_token"]
+        assert created["session"]["flash"][0]["flash_id"] == "keeper"
+        first = await next_of(producer, "flash.updated")
+        assert first["flash_id"] == "keeper" and first["data_version"] == 0
+        assert set(first["confidence"]) == {"logit_gap", "mean_prob"} and first["eval_ms"] > 0
+
+        check_error(await watcher.request({"type": "subscribe", "session_id": sid, "token": "wrong"}),
+                    "session_not_found")
+        subscribed = await watcher.request({"type": "subscribe", "session_id": sid, "token": token})
+        assert subscribed["type"] == "subscribed" and subscribed["session"]["flash"][0]["answer"] == first["answer"]
+        check_error(await watcher.request({"type": "input.text.append", "session_id": sid, "text": "x"}),
+                    "session_not_found")  # a subscriber cannot write
+
+        registered = await producer.request({"type": "flash.register", "session_id": sid,
+                                             "question": "What is the cat called?", "max_tokens": 8,
+                                             "confirm": 2, "min_interval_ms": 10, "priority": 3})
+        assert registered["type"] == "flash.registered" and registered["flash"]["confirm"] == 2
+        fid = registered["flash"]["flash_id"]
+        for peer in (producer, watcher):  # the first answer of a new question reaches both
+            pushed = await next_of(peer, "flash.updated")
+            assert pushed["flash_id"] == fid
+
+        await producer.request({"type": "input.text.append", "session_id": sid, "text": "Ada keeps it."})
+        for _ in range(200):  # wait until the answer is current for the new data
+            state = (await producer.request({"type": "session.get", "session_id": sid}))["session"]
+            keeper = next(f for f in state["flash"] if f["flash_id"] == "keeper")
+            if keeper.get("data_version") == 1:
+                break
+            await asyncio.sleep(0.02)
+        await producer.send({"type": "query.create", "session_id": sid, "question": "who keeps the light",
+                             "max_tokens": 8})
+        done = await next_of(producer, "query.done")
+        assert done["cached"] is True and done["data_version"] == 1 and done["text"] == keeper["answer"]
+
+        check_error(await producer.request({"type": "flash.register", "session_id": sid,
+                                            "question": "WHO keeps the light"}), "flash_duplicate")
+        check_error(await producer.request({"type": "flash.unregister", "session_id": sid, "flash_id": "nope"}),
+                    "flash_not_found")
+        gone = await producer.request({"type": "flash.unregister", "session_id": sid, "flash_id": fid})
+        assert gone["type"] == "flash.unregistered" and gone["flash_id"] == fid
+        assert (await watcher.request({"type": "unsubscribe", "session_id": sid}))["type"] == "unsubscribed"
+        check_error(await watcher.request({"type": "unsubscribe", "session_id": sid}), "session_not_found")
+
+    serve(tiny_engine, test)
+
+
+def test_bad_flash_registrations(tiny_engine):
+    async def test(url, server):
+        peer = await raw(url)
+        err = check_error(await peer.request({"type": "session.create", "flash": [{"question": "q", "bogus": 1}]}),
+                          "unknown_field")
+        assert "flash[0]" in err["message"]
+        check_error(await peer.request({"type": "session.create", "flash": ["q"]}), "invalid_field")
+        check_error(await peer.request({"type": "session.create", "flash": [{"max_tokens": 3}]}), "missing_field")
+        err = check_error(await peer.request({"type": "session.create", "flash": [
+            {"question": "Same?"}, {"question": "same"}]}), "flash_duplicate")
+        assert not tiny_engine.sessions or all(not s.flash for s in tiny_engine.sessions.values())
+        sid = await peer.create()
+        check_error(await peer.request({"type": "flash.register", "session_id": sid, "question": "q",
+                                        "max_tokens": 1000}), "invalid_field")
+        check_error(await peer.request({"type": "flash.register", "session_id": sid, "question": "q",
+                                        "confirm": 0}), "invalid_field")
+        await peer.still_serving(sid)
+
+    serve(tiny_engine, test)
