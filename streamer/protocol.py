@@ -221,12 +221,13 @@ class ServerProtocol:
             else:
                 items = []
                 for i, item in enumerate(value):
-                    where = f"{kind} {name}[{i}]"
                     if not isinstance(item, dict):
-                        raise ProtocolError(INVALID_FIELD, f"{where} must be an object, got {_short(item)}", param=name)
+                        raise ProtocolError(INVALID_FIELD, f"{kind}: '{name}[{i}]' must be an object, got "
+                                            f"{_short(item)}", param=name)
                     if "type" in item or "event_id" in item:
-                        raise ProtocolError(UNKNOWN_FIELD, f"{where} has no field 'type' or 'event_id'", param=name)
-                    items.append(self._validate(where, item, FLASH_FIELDS))
+                        raise ProtocolError(UNKNOWN_FIELD, f"{kind}: '{name}[{i}]' has no field 'type' or 'event_id'",
+                                            param=name)
+                    items.append(self._validate(f"{kind} {name}[{i}]", item, FLASH_FIELDS))
                 value = items
         elif spec.kind == "strlist":
             if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) or len(value) > 8:

@@ -22,7 +22,9 @@ CODES = {
 
 # One valid message per type, with every field the schema knows (session_id included).
 FULL = {
-    "session.create": {"system_prompt": "Be brief. — ünïcode ✓", "session_id": "s-1"},
+    "session.create": {"system_prompt": "Be brief. — ünïcode ✓", "session_id": "s-1",
+                       "flash": [{"question": "Who?", "flash_id": "f-1", "max_tokens": 8, "priority": 2,
+                                  "min_interval_ms": 100, "confirm": 2}, {"question": "Where?"}]},
     "session.get": {"session_id": "s-1"},
     "session.close": {"session_id": "s-1"},
     "input.text.append": {"session_id": "s-1", "text": "hello wörld ✓\n"},
@@ -34,6 +36,11 @@ FULL = {
         "stream": False,
     },
     "query.cancel": {"session_id": "s-1", "query_id": "q-1"},
+    "flash.register": {"session_id": "s-1", "question": "Who?", "flash_id": "f-1", "max_tokens": 8,
+                       "priority": -3, "min_interval_ms": 0, "confirm": 1},
+    "flash.unregister": {"session_id": "s-1", "flash_id": "f-1"},
+    "subscribe": {"session_id": "s-1", "token": "tok-1"},
+    "unsubscribe": {"session_id": "s-1"},
 }
 
 
@@ -349,6 +356,7 @@ BAD_BY_KIND = {
     "float": [True, False, "0.5", [], [0.5], {}, 1e999, -1e999],
     "bool": [0, 1, "true", "false", [], {}, 0.0],
     "strlist": ["stop", [""], ["a", ""], [1], [None], [["a"]], [{}], ["a"] * 9, {}, {"a": "b"}, 1, True],
+    "flashlist": ["q", 1, True, {}, {"question": "q"}, [1], ["q"], [None], [[]], [{"question": "q"}] * 65],
 }
 
 
@@ -364,7 +372,7 @@ def test_invalid_field_by_kind(kind, name, value):
     msg = full(kind)
     msg[name] = value
     err = fail(msg, P.INVALID_FIELD, param=name)
-    assert err.message.startswith(f"{kind}: '{name}' must be ")
+    assert err.message.startswith((f"{kind}: '{name}' must be ", f"{kind}: '{name}["))
     assert err.reply_to == "e-1"
     if name == "session_id":
         assert err.session_id is None  # a malformed session_id is never echoed back
