@@ -5,10 +5,14 @@ For accumulated contexts of 512 .. 8K tokens on the embedded model, in one proce
     answer runs as a fork on the live cache (what streamer does);
   - stateless: the context + question is prefilled from scratch, then the same 8 tokens are
     decoded (what a request-driven engine pays for every question).
-Also ingest throughput (tokens/s of chunked appends, as a stream would deliver them) versus
-one-shot prefill throughput of the same tokens in a single forward.
+Session latencies are measured in interleaved rounds over all sizes (each size's cache is an
+exact prefix copy of the grown session), so machine drift hits every size alike.
 
-Run: python bench/query_latency.py [--sizes 512,1024,2048,4096,8192] [--reps 7] [--chunk-tokens 128]
+Ingest: a stream of appends of --chunk-tokens each goes through the engine as fast as it
+takes them (appends that queue up are prefilled together), versus one forward over the same
+tokens (one-shot prefill). The one-append-per-forward rate is printed too.
+
+Run: python bench/query_latency.py [--sizes 512,1024,2048,4096,8192] [--reps 7]
 The last line is `RESULT flat_8k_vs_512=<x> speedup_vs_stateless_8k=<x> ingest_vs_prefill=<x>`.
 """
 
@@ -18,11 +22,13 @@ import argparse
 import os
 import statistics
 import time
+from importlib import resources
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from streamer.sessions.engine import Engine, EngineLimits  # noqa: E402
 from streamer.sessions.jobs import PrefillJob, QueryJob, drive  # noqa: E402
 from streamer.sessions.models import load_model  # noqa: E402
 from streamer.sessions.runner import ModelRunner, SeqStep  # noqa: E402
@@ -36,24 +42,17 @@ QUESTION = ("Which boat brought the new burner for the lamp, and who was its ski
 
 def question_text(session: Session, tokens: int = 16) -> str:
     """A question of exactly `tokens` tokens (before framing)."""
-    ids = session.tokenize(QUESTION)
-    while len(ids) < tokens:
-        ids = ids + ids
-    text = session.tokenizer.decode(ids[:tokens])
+    ids = session.tokenize(QUESTION)[:tokens]
+    text = session.tokenizer.decode(ids)
     if len(session.tokenize(text)) != tokens:
         raise RuntimeError("could not build a question of the requested length")
     return text
 
 
 def corpus(session: Session, tokens: int) -> list[int]:
-    from importlib import resources
-
     text = resources.files("streamer").joinpath("data", "lighthouse_log.txt").read_text()
     ids = session.tokenize(text)
-    out: list[int] = []
-    while len(out) < tokens:
-        out.extend(ids)
-    return out[:tokens]
+    return (ids * (tokens // len(ids) + 1))[:tokens]
 
 
 def ask_session(runner, session, question) -> float:
@@ -61,23 +60,33 @@ def ask_session(runner, session, question) -> float:
     started = time.perf_counter()
     result = drive(runner, job)
     elapsed = time.perf_counter() - started
-    assert len(result.tokens) == ANSWER_TOKENS
+    assert len(result.tokens) == ANSWER_TOKENS and session.cache.length == job.base
     return elapsed
 
 
-def ask_stateless(runner, ids: list[int]) -> tuple[float, float]:
-    """Prefill everything in one forward on a fresh cache, then decode greedily.
-    Returns (total seconds, prefill seconds)."""
+def ask_stateless(runner, ids: list[int]) -> float:
+    """Prefill everything in one forward on a fresh cache, then decode greedily."""
     cache = runner.new_cache()
     started = time.perf_counter()
     logits = runner.forward([SeqStep(cache, 0, ids)], logits="last")[0]
-    prefill = time.perf_counter() - started
-    pos = len(ids)
-    for _ in range(ANSWER_TOKENS - 1):
-        token = int(torch.argmax(logits))
-        logits = runner.forward([SeqStep(cache, pos, [token])], logits="last")[0]
-        pos += 1
-    return time.perf_counter() - started, prefill
+    for pos in range(len(ids), len(ids) + ANSWER_TOKENS - 1):
+        logits = runner.forward([SeqStep(cache, pos, [int(torch.argmax(logits))])], logits="last")[0]
+    return time.perf_counter() - started
+
+
+def ingest(runner, pieces: list[list[int]]) -> tuple[Session, float]:
+    """Stream the pieces through the engine as fast as it takes them; (session, tokens/s)."""
+    engine = Engine(runner, EngineLimits()).start()
+    try:
+        sid = engine.create_session().result()["session_id"]
+        started = time.perf_counter()
+        futures = [engine.append(sid, runner.tokenizer.decode(p)) for p in pieces]
+        acks = [f.result() for f in futures]
+        elapsed = time.perf_counter() - started
+        session = engine.sessions[sid]
+    finally:
+        engine.stop()
+    return session, sum(a.tokens for a in acks) / elapsed
 
 
 def main() -> None:
@@ -87,65 +96,69 @@ def main() -> None:
     parser.add_argument("--stateless-reps", type=int, default=3, help="stateless runs per size (2 above 2K)")
     parser.add_argument("--chunk-tokens", type=int, default=128, help="tokens per append while ingesting")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
 
     lm = load_model("embedded")
     runner = ModelRunner(lm.model, lm.tokenizer, lm.name)
-    session = Session("bench", runner)
-    drive(runner, PrefillJob(session, session.prefix_ids, None))
-    question = question_text(session)
-    q_framed = len(session.question_ids(question))
-    room = q_framed + ANSWER_TOKENS
-    window = session.context_window
-    sizes = [min(s, window - room) for s in sizes]
-    data = corpus(session, max(sizes))
-    print(f"model {lm.name}, {torch.get_num_threads()} threads, question 16 tokens "
-          f"({q_framed} framed), answer {ANSWER_TOKENS} tokens, appends of {args.chunk_tokens} tokens")
+    probe = Session("probe", runner)
+    question = question_text(probe)
+    q_framed = len(probe.question_ids(question))
+    window = probe.context_window
+    sizes = [min(int(s), window - q_framed - ANSWER_TOKENS) for s in args.sizes.split(",")]
+    data = corpus(probe, max(sizes) - len(probe.prefix_ids))
+    print(f"model {lm.name}, {torch.get_num_threads()} threads, question 16 tokens ({q_framed} framed), "
+          f"answer {ANSWER_TOKENS} tokens")
 
-    # warm-up (excluded): one question and one small stateless run
-    drive(runner, PrefillJob(session, data[:64], "warm-up"))
-    ask_session(runner, session, question)
+    # warm-up (excluded)
+    warm = Session("warm", runner)
+    drive(runner, PrefillJob(warm, warm.prefix_ids + data[:200], None))
+    ask_session(runner, warm, question)
     ask_stateless(runner, data[:256])
-    session = Session("bench", runner)
-    drive(runner, PrefillJob(session, session.prefix_ids, None))
 
-    rows = []
-    fed = 0
-    ingest_s = 0.0
-    for size in sizes:
-        target = size - len(session.prefix_ids)
-        while fed < target:
-            piece = data[fed:min(target, fed + args.chunk_tokens)]
-            started = time.perf_counter()
-            drive(runner, PrefillJob(session, piece, "chunk"))
-            ingest_s += time.perf_counter() - started
-            fed += len(piece)
-        context = session.cache.length
-        live = [ask_session(runner, session, question) for _ in range(args.reps)]
-        ids = session.context_ids() + session.question_ids(question)
-        reps = args.stateless_reps if size <= 2048 else min(2, args.stateless_reps)
-        cold = [ask_stateless(runner, ids) for _ in range(reps)]
-        rows.append((context, statistics.median(live), statistics.median(c[0] for c in cold),
-                     statistics.median(c[1] for c in cold), max(live)))
-        r = rows[-1]
-        print(f"  context {context:5d}: session p50 {r[1] * 1000:7.1f} ms (max {r[4] * 1000:6.1f}), "
-              f"stateless p50 {r[2] * 1000:8.1f} ms, speedup {r[2] / r[1]:5.1f}x", flush=True)
-
-    ingest_tps = fed / ingest_s
-    final_ids = session.context_ids()
+    # ingest: appends through the engine versus one forward over the same tokens
+    pieces = [data[i:i + args.chunk_tokens] for i in range(0, len(data), args.chunk_tokens)]
+    grown, ingest_tps = ingest(runner, pieces)
+    one_each = Session("seq", runner)
+    drive(runner, PrefillJob(one_each, one_each.prefix_ids, None))
+    started = time.perf_counter()
+    for p in pieces[:16]:
+        drive(runner, PrefillJob(one_each, p, "piece"))
+    sequential_tps = sum(len(p) for p in pieces[:16]) / (time.perf_counter() - started)
+    context = grown.context_ids()
     cache = runner.new_cache()
     started = time.perf_counter()
-    runner.forward([SeqStep(cache, 0, final_ids)], logits="last")
-    prefill_tps = len(final_ids) / (time.perf_counter() - started)
+    runner.forward([SeqStep(cache, 0, context)], logits="last")
+    prefill_tps = len(context) / (time.perf_counter() - started)
+    del cache
 
-    print("\n| context tokens | session p50 ms | stateless p50 ms | stateless prefill ms | speedup |")
+    # question latency: exact prefix copies of the grown session, measured in rounds
+    sessions = {}
+    for size in sizes:
+        s = Session(f"s{size}", runner)
+        s.cache = grown.cache.clone(size)
+        sessions[size] = s
+        ask_session(runner, s, question)  # first touch of this copy, excluded
+    live = {size: [] for size in sizes}
+    for _ in range(args.reps):
+        for size in sizes:
+            live[size].append(ask_session(runner, sessions[size], question))
+    rows = []
+    for size in sizes:
+        ids = context[:size] + probe.question_ids(question)
+        reps = args.stateless_reps if size <= 2048 else min(2, args.stateless_reps)
+        cold = statistics.median(ask_stateless(runner, ids) for _ in range(reps))
+        rows.append((size, statistics.median(live[size]), min(live[size]), max(live[size]), cold))
+        print(f"  context {size:5d}: session p50 {rows[-1][1] * 1000:7.1f} ms, stateless p50 {cold * 1000:8.1f} ms",
+              flush=True)
+
+    print("\n| context tokens | session p50 ms | session min..max ms | stateless p50 ms | speedup |")
     print("|---:|---:|---:|---:|---:|")
-    for context, live, cold, prefill, _ in rows:
-        print(f"| {context} | {live * 1000:.1f} | {cold * 1000:.1f} | {prefill * 1000:.1f} | {cold / live:.1f}x |")
+    for size, p50, lo, hi, cold in rows:
+        print(f"| {size} | {p50 * 1000:.1f} | {lo * 1000:.0f}..{hi * 1000:.0f} | {cold * 1000:.1f} | {cold / p50:.1f}x |")
     flat = rows[-1][1] / rows[0][1]
-    speedup = rows[-1][2] / rows[-1][1]
-    print(f"\ningest {ingest_tps:.0f} tokens/s ({args.chunk_tokens}-token appends) vs one-shot prefill "
-          f"{prefill_tps:.0f} tokens/s of the same {len(final_ids)} tokens")
+    speedup = rows[-1][4] / rows[-1][1]
+    print(f"\ningest {ingest_tps:.0f} tokens/s ({args.chunk_tokens}-token appends through the engine; "
+          f"{sequential_tps:.0f} tokens/s one append per forward) vs one-shot prefill {prefill_tps:.0f} tokens/s "
+          f"of the same {len(context)} tokens")
     print(f"session latency at {rows[-1][0]} vs {rows[0][0]} tokens: {flat:.2f}x (target <= 1.5); "
           f"vs stateless: {speedup:.1f}x (target >= 15); ingest/prefill {ingest_tps / prefill_tps:.2f} (target >= 0.8)")
     print(f"RESULT flat_8k_vs_512={flat:.2f} speedup_vs_stateless_8k={speedup:.1f} "

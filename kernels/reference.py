@@ -61,6 +61,9 @@ def cache_attention(
     return out[0].transpose(0, 1)
 
 
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over one key range, with its log-sum-exp for merging.
@@ -72,6 +75,11 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     kv_heads = k.shape[0]
     group = heads // kv_heads
     qf = q.reshape(kv_heads, group * n, dim)
+    if mask is None and _CPU_FLASH is not None and q.device.type == "cpu" and k.shape[1] > 0:
+        # Unmasked: torch's fused CPU kernel, which also returns the log-sum-exp. With no mask
+        # the query group folds into the length, so kv heads are read in place, never expanded.
+        out, lse = _CPU_FLASH(qf.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scaling)[:2]
+        return out[0].reshape(heads, n, dim), lse[0].reshape(heads, n)
     scores = torch.matmul(qf, k.transpose(1, 2)).mul_(scaling)
     if mask is not None:
         scores.masked_fill_(~mask.repeat(group, 1), float("-inf"))
@@ -100,9 +108,10 @@ def forked_attention(
     """Several forks of one session: each fork's new queries attend to the shared prefix
     `[0, prefix_len)` and to its own suffix cache, causally.
 
-    The shared prefix is read once for all forks: their queries are stacked into one matmul
-    against it; each suffix is attended separately; the two ranges are merged by log-sum-exp.
-    This equals one attention over `prefix + suffix` with the offset-causal mask.
+    The shared prefix is read once for all forks: their queries are stacked into one call
+    against it. The suffixes (short: a question and its answer so far) are padded into one
+    batch and attended together. The two parts are merged by log-sum-exp, which equals one
+    attention over `prefix + suffix` with the offset-causal mask.
 
     Args:
         queries: per fork `[heads, n_i, d]`.
@@ -115,18 +124,48 @@ def forked_attention(
     """
     if len(queries) != len(suffixes):
         raise ValueError(f"{len(queries)} query blocks but {len(suffixes)} suffix caches")
-    dim = queries[0].shape[-1]
+    heads, _, dim = queries[0].shape
     scale = dim ** -0.5 if scaling is None else scaling
     sizes = [q.shape[1] for q in queries]
+    own_out, own_lse = _padded_suffix_attention(queries, suffixes, scale)
+    if prefix_len == 0:
+        return [own_out[i, :, :n].transpose(0, 1) for i, n in enumerate(sizes)]
     stacked = torch.cat(queries, dim=1) if len(queries) > 1 else queries[0]
-    shared = None
-    if prefix_len > 0:
-        out, lse = _partial_attention(stacked, prefix_k[:, :prefix_len], prefix_v[:, :prefix_len], None, scale)
-        shared = list(zip(out.split(sizes, dim=1), lse.split(sizes, dim=1)))
+    out, lse = _partial_attention(stacked, prefix_k[:, :prefix_len], prefix_v[:, :prefix_len], None, scale)
     results = []
-    for i, (q, (k, v, start)) in enumerate(zip(queries, suffixes)):
-        n = q.shape[1]
-        own = _partial_attention(q, k[:, :start + n], v[:, :start + n], causal_offset_mask(n, start, q.device), scale)
-        merged = merge_partials([shared[i], own]) if shared is not None else own[0]
+    for i, (o, l) in enumerate(zip(out.split(sizes, dim=1), lse.split(sizes, dim=1))):
+        n = sizes[i]
+        merged = merge_partials([(o, l), (own_out[i, :, :n], own_lse[i, :, :n])])
         results.append(merged.transpose(0, 1))
     return results
+
+
+def _padded_suffix_attention(queries: list[torch.Tensor], suffixes: list[tuple[torch.Tensor, torch.Tensor, int]],
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each fork's queries over its own suffix, causally, as one padded batch.
+    Returns out `[forks, heads, n_max, d]` and lse `[forks, heads, n_max]`."""
+    forks = len(queries)
+    heads, _, dim = queries[0].shape
+    kv_heads = suffixes[0][0].shape[0]
+    group = heads // kv_heads
+    sizes = [q.shape[1] for q in queries]
+    n_max = max(sizes)
+    lengths = [start + n for (_, _, start), n in zip(suffixes, sizes)]
+    l_max = max(lengths)
+    q = queries[0].new_zeros(forks, heads, n_max, dim)
+    k = queries[0].new_zeros(forks, kv_heads, l_max, dim)
+    v = queries[0].new_zeros(forks, kv_heads, l_max, dim)
+    for i, (query, (kc, vc, _)) in enumerate(zip(queries, suffixes)):
+        q[i, :, :sizes[i]] = query
+        k[i, :, :lengths[i]] = kc[:, :lengths[i]]
+        v[i, :, :lengths[i]] = vc[:, :lengths[i]]
+    device = q.device
+    starts = torch.tensor([start for _, _, start in suffixes], device=device).view(forks, 1, 1)
+    rows = torch.arange(n_max, device=device).view(1, n_max, 1)
+    cols = torch.arange(l_max, device=device).view(1, 1, l_max)
+    visible = cols <= starts + rows  # [forks, n_max, l_max]; padded rows see their own prefix only
+    scores = torch.matmul(q.view(forks, kv_heads, group * n_max, dim), k.transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~visible.repeat(1, group, 1).unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.matmul(torch.exp(scores - lse), v)
+    return out.view(forks, heads, n_max, dim), lse.view(forks, heads, n_max)

@@ -319,17 +319,35 @@ class Engine:
         for job, fut in candidates:
             if budget <= 0:
                 break
-            try:
-                steps = job.plan(budget)
-            except Exception as exc:
-                self._resolve(job, fut, exc)
-                continue
-            if steps:
-                batch.append((job, fut, steps))
-                budget -= sum(step.n for step in steps)
-            elif job.done:
-                self._resolve(job, fut)
+            for job, fut in self._with_followers(job, fut):
+                try:
+                    steps = job.plan(budget)
+                except Exception as exc:
+                    self._resolve(job, fut, exc)
+                    break
+                if steps:
+                    batch.append((job, fut, steps))
+                    budget -= sum(step.n for step in steps)
+                elif job.done:
+                    self._resolve(job, fut)
+                if budget <= 0 or not _finishes(job, steps):
+                    break
         return batch
+
+    def _with_followers(self, job: Job, fut: Future | None):
+        """The job, then, while each one finishes within this step, the appends queued right
+        behind it on the same session: a backlog of small appends is prefilled in one step,
+        each written after the previous one (the attention hook processes them in order)."""
+        yield job, fut
+        if type(job) is not PrefillJob:
+            return
+        queue = self._queues.get(job.session.id, ())
+        for nxt, nxt_fut in list(queue)[1:]:
+            if type(nxt) is not PrefillJob or nxt.start is not None:
+                return
+            nxt.start = job.start + len(job.tokens)
+            yield nxt, nxt_fut
+            job = nxt
 
     def _execute(self, batch: list[tuple[Job, Future | None, list[SeqStep]]]) -> None:
         started = time.perf_counter()
@@ -451,6 +469,11 @@ class Engine:
                 if not fut.done():
                     fut.set_exception(exc)
             queue.clear()
+
+
+def _finishes(job: Job, steps: list[SeqStep]) -> bool:
+    """Whether a prefill job's planned steps take all its remaining tokens."""
+    return isinstance(job, PrefillJob) and job.pos + sum(s.n for s in steps) >= len(job.tokens)
 
 
 def _chain(src: Future, dst: Future, transform: Callable | None = None) -> None:

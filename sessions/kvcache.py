@@ -85,6 +85,19 @@ class KVCache:
             raise ValueError(f"crop length {length} outside [0, {self.length}]")
         self.length = length
 
+    def clone(self, length: int | None = None) -> "KVCache":
+        """An independent cache holding the first `length` committed tokens (default all).
+        Keys and values of a prefix do not depend on what follows, so this equals a cache
+        that only ever read those tokens."""
+        length = self.length if length is None else length
+        if not 0 <= length <= self.length:
+            raise ValueError(f"clone length {length} outside [0, {self.length}]")
+        copy = KVCache(self.shape, self.max_tokens)
+        copy.reserve(length)
+        copy._buf[:, :, :, :length] = self._buf[:, :, :, :length]
+        copy.length = length
+        return copy
+
     def snapshot(self) -> torch.Tensor:
         """A copy of the committed part, for tests and parking."""
         return self._buf[:, :, :, : self.length].clone()

@@ -107,3 +107,23 @@ def test_stopped_engine_refuses_work(tiny, engine_factory):
     with pytest.raises(EngineError) as exc:
         engine.create_session().result(timeout=5)
     assert exc.value.code == "engine_stopped" and not exc.value.recoverable
+
+
+def test_a_backlog_of_appends_is_prefilled_in_few_steps_and_stays_exact(tiny, engine_factory):
+    runner, ref = tiny
+    engine = engine_factory(runner, step_tokens=512)
+    sid = engine.create_session().result()["session_id"]
+    steps_before = engine.stats.steps
+    pieces = [f"Piece number {i} of the stream. " for i in range(40)]
+    futures = [engine.append(sid, p) for p in pieces]
+    acks = [f.result(60) for f in futures]
+    assert [a.seq for a in acks] == list(range(1, 41))
+    assert engine.stats.steps - steps_before < 10  # coalesced, not one forward per append
+    session = engine.sessions[sid]
+    import torch
+
+    with torch.inference_mode():
+        full = ref(torch.tensor([session.context_ids()])).logits[0, -1].float()
+    assert (session.last_logits - full).abs().max().item() <= 1e-4
+    spans = [(c.start, c.end) for c in session.chunks]
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))

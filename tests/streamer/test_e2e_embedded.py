@@ -93,3 +93,33 @@ def test_demo_command_runs(tmp_path):
     assert demo.returncode == 0, out
     assert "What is this document about?" in out and "demo finished" in out
     assert re.search(r"first token \d+ ms", out)
+
+
+def test_flash_on_embedded_model(embedded_engine):
+    """On the embedded model: flash answers equal on-demand greedy answers at the same data
+    version, and a current flash answer is served from the cache."""
+    from streamer.sessions.sampling import SamplingParams
+
+    engine = embedded_engine
+    paragraphs = [p + "\n\n" for p in DOC.split("\n\n")][:6]
+    sid = engine.create_session(flash=[{"question": "What is the keeper's name?", "max_tokens": 16},
+                                       {"question": "What is the name of the cat?", "max_tokens": 16}]).result()
+    sid = sid["session_id"]
+    for p in paragraphs:
+        engine.append(sid, p)
+    engine.append(sid, " ").result()
+    session = engine.sessions[sid]
+    import time
+
+    deadline = time.time() + 120
+    while any(q.evaluated_version < session.data_version for q in session.flash.values()):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    for q in session.flash.values():
+        fresh = engine.query(sid, q.question, SamplingParams(max_tokens=16, stop=["\x00never"])).future.result()
+        assert not fresh.cached and fresh.tokens == q.answer.tokens, (q.question, fresh.text, q.answer.text)
+        cached = engine.query(sid, q.question, SamplingParams(max_tokens=16)).future.result()
+        assert cached.cached and cached.text == q.answer.text
+    keeper = session.flash["f1"].answer.text.lower()
+    assert "ada" in keeper, keeper
+    engine.close_session(sid).result()
