@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask the questions after every N chunks (default: only at the end)")
     stream.add_argument("--max-tokens", type=int, default=64, help="answer token limit (default: %(default)s)")
     stream.add_argument("--system-prompt", default=None, help="system prompt for the session")
+    stream.add_argument("--flash", action="append", default=[], metavar="QUESTION",
+                        help="register a flash question (repeatable): re-answered after every chunk, printed on change")
+    stream.add_argument("--thinking", choices=["off", "interleaved", "dual"], default=None,
+                        help="think while reading; notes are printed as they are written")
     stream.add_argument("--json", action="store_true", help="print one JSON object per event instead of text")
     ask = sub.add_parser("ask", help="create a session from a file (or nothing) and ask one question")
     ask.add_argument("question")
@@ -58,8 +62,11 @@ async def stream_file(args: argparse.Namespace) -> int:
     pieces = chunks_of(text, args.chunk_chars)
     emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
     async with await StreamerClient.connect(args.url) as client:
-        session = await client.create_session(args.system_prompt)
+        flash = [{"question": q} for q in args.flash] or None
+        thinking = {"mode": args.thinking} if args.thinking else None
+        session = await client.create_session(args.system_prompt, flash=flash, thinking=thinking)
         _say(emit, f"session {session.id} on {session.model}", event="session", session_id=session.id)
+        printer = asyncio.get_running_loop().create_task(_print_events(client, emit))
         started = time.monotonic()
         sent = 0
         for i, piece in enumerate(pieces, 1):
@@ -76,8 +83,39 @@ async def stream_file(args: argparse.Namespace) -> int:
                 await _ask_all(session, args, emit)
         if args.ask:
             await _ask_all(session, args, emit)
+        if args.flash or args.thinking:
+            await session.end_input()
+            await _settle(session)
         await session.close()
+        printer.cancel()
     return 0
+
+
+async def _settle(session, quiet: float = 0.5, limit: float = 120.0) -> None:
+    """Wait until flash answers are current for the last input (thinking has finished too)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while loop.time() < deadline:
+        state = await session.state()
+        flash_ok = all(f.get("data_version") == state["data_version"] for f in state["flash"])
+        thinking = state["thinking"]
+        thinking_ok = thinking["mode"] == "off" or thinking.get("final_done", True)
+        if flash_ok and thinking_ok:
+            await asyncio.sleep(quiet)  # let the last events arrive
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _print_events(client, emit) -> None:
+    async for event in client.events():
+        kind = event["type"]
+        if kind == "flash.updated":
+            _say(emit, f"  * flash [{event['flash_id']}] v{event['data_version']}: {event['answer'].strip()} "
+                       f"(gap {event['confidence']['logit_gap']:.2f})", event="flash", **{
+                           k: event[k] for k in ("flash_id", "question", "answer", "data_version", "confidence")})
+        elif kind == "reasoning.done":
+            _say(emit, f"  ~ notes (unit {event['unit']}, inputs {event['seq_range']}): {event['text'].strip()}",
+                 event="reasoning", unit=event["unit"], text=event["text"], seq_range=event["seq_range"])
 
 
 async def _ask_all(session, args, emit) -> None:

@@ -103,6 +103,7 @@ class Session:
         self.id: str = created["session_id"]
         self.info: dict = created.get("session", {})
         self.model: str = created.get("model", "")
+        self.subscribe_token: str | None = created.get("subscribe_token")  # give to read-only watchers
 
     async def append(self, text: str) -> Ack:
         return _ack(await self.client.request({"type": "input.text.append", "session_id": self.id, "text": text}))
@@ -136,6 +137,20 @@ class Session:
         answer = await (await self.ask_stream(question, **options)).result()
         answer.client_ms = round((loop.time() - started) * 1000, 2)
         return answer
+
+    async def register_flash(self, question: str, **options: Any) -> dict:
+        """Register a flash question (options: flash_id, max_tokens, priority, min_interval_ms,
+        confirm); its `flash.updated` events arrive on `client.events()`."""
+        msg = {"type": "flash.register", "session_id": self.id, "question": question, **options}
+        return (await self.client.request(msg))["flash"]
+
+    async def unregister_flash(self, flash_id: str) -> None:
+        await self.client.request({"type": "flash.unregister", "session_id": self.id, "flash_id": flash_id})
+
+    async def set_thinking(self, **thinking: Any) -> dict:
+        """Change the thinking settings (mode="off"|"interleaved"|"dual", unit_tokens, ...)."""
+        msg = {"type": "session.update", "session_id": self.id, "thinking": thinking}
+        return (await self.client.request(msg))["session"]
 
     async def close(self) -> dict:
         return await self.client.request({"type": "session.close", "session_id": self.id})
@@ -171,13 +186,24 @@ class StreamerClient:
         await self.ws.close()
         self._reader.cancel()
 
-    async def create_session(self, system_prompt: str | None = None, session_id: str | None = None) -> Session:
+    async def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
+                             flash: list[dict] | None = None, thinking: dict | None = None) -> Session:
         msg: dict = {"type": "session.create"}
-        if system_prompt is not None:
-            msg["system_prompt"] = system_prompt
-        if session_id is not None:
-            msg["session_id"] = session_id
+        for key, value in (("system_prompt", system_prompt), ("session_id", session_id), ("flash", flash),
+                           ("thinking", thinking)):
+            if value is not None:
+                msg[key] = value
         return Session(self, await self.request(msg))
+
+    async def subscribe(self, session_id: str, token: str) -> dict:
+        """Watch another connection's session read-only; returns its state. Its events
+        (`flash.updated`, `reasoning.*`) arrive on `events()`."""
+        return (await self.request({"type": "subscribe", "session_id": session_id, "token": token}))["session"]
+
+    async def events(self) -> AsyncIterator[dict]:
+        """Events no call waits for: flash.updated, reasoning.delta/done, ..."""
+        while True:
+            yield await self.unsolicited.get()
 
     async def send(self, msg: dict) -> str:
         event_id = msg.setdefault("event_id", f"c{next(self._ids)}")

@@ -99,23 +99,22 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
 
 def forked_attention(
     queries: list[torch.Tensor],
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
-    prefix_len: int,
+    prefixes: list[tuple[torch.Tensor, torch.Tensor, int]],
     suffixes: list[tuple[torch.Tensor, torch.Tensor, int]],
     scaling: float | None = None,
 ) -> list[torch.Tensor]:
-    """Several forks of one session: each fork's new queries attend to the shared prefix
-    `[0, prefix_len)` and to its own suffix cache, causally.
+    """Several forks that share read-only key ranges: each fork's new queries attend to every
+    shared range in full and to its own suffix cache, causally.
 
-    The shared prefix is read once for all forks: their queries are stacked into one call
-    against it. The suffixes (short: a question and its answer so far) are padded into one
-    batch and attended together. The two parts are merged by log-sum-exp, which equals one
-    attention over `prefix + suffix` with the offset-causal mask.
+    A shared range is, for example, a session's reading cache `[0, visible)` or its thinking
+    cache. Each one is read once for all forks: their queries are stacked into one call against
+    it. The suffixes (short: a question and its answer so far) are padded into one batch and
+    attended together. All parts are merged by log-sum-exp, which equals one attention over
+    `ranges + suffix` with the offset-causal mask on the suffix.
 
     Args:
         queries: per fork `[heads, n_i, d]`.
-        prefix_k, prefix_v: `[kv_heads, capacity, d]` with `prefix_len` valid slots.
+        prefixes: shared `(k_cache, v_cache, length)`, caches `[kv_heads, capacity, d]`.
         suffixes: per fork `(k_cache, v_cache, start)`: slots `[0, start + n_i)` valid, the new
             tokens at `[start, start + n_i)`.
 
@@ -124,20 +123,20 @@ def forked_attention(
     """
     if len(queries) != len(suffixes):
         raise ValueError(f"{len(queries)} query blocks but {len(suffixes)} suffix caches")
-    heads, _, dim = queries[0].shape
+    dim = queries[0].shape[-1]
     scale = dim ** -0.5 if scaling is None else scaling
     sizes = [q.shape[1] for q in queries]
     own_out, own_lse = _padded_suffix_attention(queries, suffixes, scale)
-    if prefix_len == 0:
-        return [own_out[i, :, :n].transpose(0, 1) for i, n in enumerate(sizes)]
+    own = [(own_out[i, :, :n], own_lse[i, :, :n]) for i, n in enumerate(sizes)]
+    live = [(k, v, length) for k, v, length in prefixes if length > 0]
+    if not live:
+        return [o.transpose(0, 1) for o, _ in own]
     stacked = torch.cat(queries, dim=1) if len(queries) > 1 else queries[0]
-    out, lse = _partial_attention(stacked, prefix_k[:, :prefix_len], prefix_v[:, :prefix_len], None, scale)
-    results = []
-    for i, (o, l) in enumerate(zip(out.split(sizes, dim=1), lse.split(sizes, dim=1))):
-        n = sizes[i]
-        merged = merge_partials([(o, l), (own_out[i, :, :n], own_lse[i, :, :n])])
-        results.append(merged.transpose(0, 1))
-    return results
+    shared = []
+    for k, v, length in live:
+        out, lse = _partial_attention(stacked, k[:, :length], v[:, :length], None, scale)
+        shared.append(list(zip(out.split(sizes, dim=1), lse.split(sizes, dim=1))))
+    return [merge_partials([part[i] for part in shared] + [own[i]]).transpose(0, 1) for i in range(len(queries))]
 
 
 def _padded_suffix_attention(queries: list[torch.Tensor], suffixes: list[tuple[torch.Tensor, torch.Tensor, int]],

@@ -25,6 +25,7 @@ from .jobs import Job, PrefillJob, QueryJob, QueryResult, ReviseJob
 from .runner import ModelRunner, SeqStep
 from .sampling import SamplingParams, stop_token_ids
 from .session import Session
+from .thinking import ThinkingConfig, ThinkJob, configure, due
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Engine:
         self.sessions: dict[str, Session] = {}
         self._queues: dict[str, deque[tuple[Job, Future]]] = {}
         self._flash: dict[str, FlashJob] = {}  # running flash evaluation per session
+        self._think: dict[str, ThinkJob] = {}  # running dual-mode reasoning unit per session
         self._control: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._order = itertools.count()
@@ -125,7 +127,7 @@ class Engine:
         return fut
 
     def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
-                       flash: list[dict] | None = None) -> Future:
+                       flash: list[dict] | None = None, thinking: dict | None = None) -> Future:
         """Resolves to the new session's state once its system prompt is in the cache. `flash`
         lists questions to register (keyword arguments of `register_flash`); if one is refused,
         no session is created."""
@@ -144,6 +146,8 @@ class Engine:
             for item in flash or ():
                 q = self._flash_question(session, **item)
                 session.flash[q.flash_id] = q
+            if thinking:
+                configure(session, _thinking_config(thinking))
             self.sessions[sid] = session
             self._queues[sid] = deque()
             self.stats.sessions_created += 1
@@ -172,12 +176,27 @@ class Engine:
         return self._call(lambda: self._enqueue(ReviseJob(self._writable(session_id), text, from_seq)))
 
     def end_input(self, session_id: str) -> Future:
+        """No more input. With thinking on, a final deliberation continues the notes."""
+
         def end():
             session = self._writable(session_id)
             session.ended = True
+            state = session.thinking
+            if state is not None and state.config.mode != "off" and state.config.final_tokens:
+                state.final_requested = True
             return session.state()
 
         return self._call(end)
+
+    def configure_thinking(self, session_id: str, settings: dict) -> Future:
+        """Set or change the session's thinking mode and settings (ThinkingConfig fields)."""
+
+        def update():
+            session = self._live(session_id)
+            configure(session, _thinking_config(settings))
+            return session.state()
+
+        return self._call(update)
 
     def query(self, session_id: str, question: str, params: SamplingParams | None = None,
               on_delta: Callable[[str], None] | None = None, query_id: str | None = None) -> QueryHandle:
@@ -255,6 +274,7 @@ class Engine:
                 fut.set_exception(SessionClosed(f"session {session_id} was closed"))
             del self.sessions[session_id]
             self._flash.pop(session_id, None)
+            self._think.pop(session_id, None)
             return session.state()
 
         return self._call(close)
@@ -310,9 +330,11 @@ class Engine:
         """The whole policy: the head job of each session's queue plus each session's flash
         evaluation, by priority then arrival, packed into the step's token budget. Jobs that
         finish without a forward resolve here."""
+        self._start_thinking()
         self._start_flash()
         candidates = [q[0] for q in self._queues.values() if q]
         candidates += [(job, None) for job in self._flash.values()]
+        candidates += [(job, None) for job in self._think.values()]
         candidates.sort(key=lambda jf: (jf[0].priority, jf[0].order))
         budget = self.limits.step_tokens
         batch = []
@@ -378,6 +400,24 @@ class Engine:
                 self._resolve(job, fut)
 
     # ---- flash questions -------------------------------------------------------------------
+
+    def _start_thinking(self) -> None:
+        """Start a reasoning unit where one is due. Dual units run beside the session's queue
+        (they only append to the thinking cache) but never while a question or flash fork is
+        reading the notes, since a unit may drop old ones; interleaved units write the reading
+        cache, so they queue behind the session's other work."""
+        for sid, session in self.sessions.items():
+            if sid in self._think or not due(session):
+                continue
+            queue = self._queues[sid]
+            if session.thinking.config.mode == "dual":
+                if sid in self._flash or any(isinstance(job, QueryJob) and job.base is not None for job, _ in queue):
+                    continue
+                job = ThinkJob(session, self.stop_ids)
+                job.order = next(self._order)
+                self._think[sid] = job
+            elif not queue:
+                self._enqueue(ThinkJob(session, self.stop_ids))
 
     def _start_flash(self) -> None:
         """Start one batched evaluation for each session that is idle (no input waiting) and
@@ -449,6 +489,12 @@ class Engine:
         if isinstance(job, FlashJob):
             self._finish_flash(job, exc)
             return
+        if fut is None:  # a dual reasoning unit
+            self._think.pop(job.session.id, None)
+            if exc is not None:
+                log.error("reasoning unit on session %s failed: %s", job.session.id, exc)
+                job.session.thinking.seen_tokens = job.session.cache.length  # no retry loop on the same input
+            return
         queue = self._queues.get(job.session.id)
         if queue and queue[0][0] is job:
             queue.popleft()
@@ -469,6 +515,13 @@ class Engine:
                 if not fut.done():
                     fut.set_exception(exc)
             queue.clear()
+
+
+def _thinking_config(settings: dict) -> ThinkingConfig:
+    try:
+        return ThinkingConfig(**settings)
+    except TypeError as exc:
+        raise InvalidRequest(f"bad thinking settings: {exc}") from None
 
 
 def _finishes(job: Job, steps: list[SeqStep]) -> bool:

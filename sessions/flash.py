@@ -132,11 +132,18 @@ class FlashJob(Job):
         super().__init__(session)
         self.stop_ids = stop_ids
         self.base = session.cache.length
+        self.prefixes: tuple = ((session.cache, self.base),)
+        self.pos0: int | None = None
+        thinking = session.thinking
+        if thinking is not None and thinking.cache is not None and thinking.cache.length:
+            # as QueryJob: with dual thinking a question sees the reading cache and the notes
+            self.prefixes += ((thinking.cache, thinking.cache.length),)
+            self.pos0 = max(self.base, thinking.last_position + 1)
         self.version = session.data_version
         self.epoch = session.crop_epoch
         self.started = time.monotonic()
         self.forks = []
-        room = session.context_window - self.base
+        room = session.context_window - (self.base if self.pos0 is None else self.pos0)
         for q in sorted(questions, key=lambda q: -q.priority):
             if len(q.question_ids) + 1 > room:
                 continue  # no room to answer at this length: skipped until the context shrinks
@@ -163,7 +170,7 @@ class FlashJob(Job):
                 n, tokens = 1, f.generated[-1:]
             f.planned = n
             budget -= n
-            steps.append(SeqStep(f.cache, f.fed, tokens, prefix=s.cache, prefix_len=self.base))
+            steps.append(SeqStep(f.cache, f.fed, tokens, prefixes=self.prefixes, pos0=self.pos0))
         return steps
 
     def complete_many(self, rows: list[torch.Tensor]) -> None:

@@ -14,6 +14,7 @@ from enum import IntEnum
 import torch
 
 from .errors import ContextOverflow
+from .kvcache import KVCache
 from .runner import SeqStep
 from .sampling import Sampler, SamplingParams
 from .session import AppendResult, Session
@@ -214,19 +215,32 @@ class QueryJob(Job):
         self.started_at = self.first_token_at = self.prefilled_at = self.done_at = 0.0
         self.data_version = 0
         self.max_new = params.max_tokens
+        self.own: KVCache | None = None  # dual thinking: the fork's tokens live here
+        self.prefixes: tuple = ()
+        self.pos0 = 0
 
     def begin(self) -> None:
         s = self.session
         self.base = s.cache.length
         self.data_version = s.data_version
         self.started_at = time.monotonic()
-        room = s.context_window - self.base - len(self.question_ids)
+        thinking = s.thinking
+        self.pos0 = self.base
+        if thinking is not None and thinking.cache is not None and thinking.cache.length:
+            # Dual thinking: the question sees the reading cache and the notes, and its
+            # positions come after both streams.
+            self.prefixes = ((s.cache, self.base), (thinking.cache, thinking.cache.length))
+            self.pos0 = max(self.base, thinking.last_position + 1)
+        room = s.context_window - self.pos0 - len(self.question_ids)
         if room < 1:
             raise ContextOverflow(
                 f"question of {len(self.question_ids)} tokens on {self.base} tokens of context leaves "
                 f"no room to answer; the context window is {s.context_window} tokens")
         self.max_new = min(self.params.max_tokens, room)
-        s.cache.reserve(self.base + len(self.question_ids) + max(self.max_new, 0))
+        if self.prefixes:
+            self.own = s.runner.new_cache(len(self.question_ids) + self.max_new)
+        else:
+            s.cache.reserve(self.base + len(self.question_ids) + self.max_new)
 
     def plan_one(self, budget: int) -> SeqStep | None:
         if self.base is None:
@@ -241,10 +255,14 @@ class QueryJob(Job):
         else:
             n, tokens = 1, self.generated[-1:]
         self._planned = n
+        if self.own is not None:
+            return SeqStep(self.own, self.fed, tokens, prefixes=self.prefixes, pos0=self.pos0)
         return SeqStep(self.session.cache, self.base + self.fed, tokens)
 
     def complete_one(self, logits: torch.Tensor) -> None:
         self.fed += self._planned
+        if self.own is not None:
+            self.own.commit(self.fed)
         if self.fed < len(self.question_ids):
             return  # more question tokens to prefill
         now = time.monotonic()

@@ -85,6 +85,15 @@ class KVCache:
             raise ValueError(f"crop length {length} outside [0, {self.length}]")
         self.length = length
 
+    def remove(self, start: int, end: int) -> None:
+        """Drop committed tokens `[start, end)`, moving the later ones down. Their keys keep the
+        positions they were computed at (RoPE is already applied), so what stays is unchanged."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"remove range [{start}, {end}) outside [0, {self.length}]")
+        tail = self._buf[:, :, :, end:self.length].clone()
+        self._buf[:, :, :, start:start + tail.shape[3]] = tail
+        self.length -= end - start
+
     def clone(self, length: int | None = None) -> "KVCache":
         """An independent cache holding the first `length` committed tokens (default all).
         Keys and values of a prefix do not depend on what follows, so this equals a cache

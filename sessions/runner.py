@@ -26,16 +26,18 @@ ATTENTION_NAME = "streamer_cache"
 class SeqStep:
     """New tokens of one sequence in a packed step: written at cache slots [start, start+n).
 
-    A fork (a question on a session) may keep its tokens in a cache of its own: then `prefix`
-    is the session's cache, read-only, of which the first `prefix_len` tokens come before the
-    fork's; positions continue from there. Forks of one prefix in one step read it once.
+    A fork (a question, a flash question, a reasoning stream) may keep its tokens in a cache of
+    its own on top of read-only ranges of other caches: `prefixes` lists `(cache, length)`, and
+    its tokens attend to all of those plus its own cache, causally. Forks with the same
+    prefixes in one step read them once. Positions start at `pos0` (default: after the
+    prefixes, i.e. their summed length + start).
     """
 
     cache: KVCache
     start: int
     tokens: Sequence[int]
-    prefix: KVCache | None = None
-    prefix_len: int = 0
+    prefixes: tuple[tuple[KVCache, int], ...] = ()
+    pos0: int | None = None
     offset: int = 0  # index of the first token in the packed batch
 
     @property
@@ -44,7 +46,9 @@ class SeqStep:
 
     @property
     def position(self) -> int:
-        return self.prefix_len + self.start
+        if self.pos0 is not None:
+            return self.pos0 + self.start
+        return sum(length for _, length in self.prefixes) + self.start
 
 
 @dataclass(slots=True)
@@ -60,20 +64,20 @@ def _session_attention(module, query, key, value, attention_mask, scaling=None, 
     layer = module.layer_idx
     seqs = streamer_meta.seqs
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [N, H, D]
-    forks: dict[tuple[int, int], list[SeqStep]] = {}
+    forks: dict[tuple, list[SeqStep]] = {}
     for seq in seqs:
         k_cache, v_cache = seq.cache.layer(layer)
         src = slice(seq.offset, seq.offset + seq.n)
         k_cache[:, seq.start:seq.start + seq.n] = key[0, :, src]
         v_cache[:, seq.start:seq.start + seq.n] = value[0, :, src]
-        if seq.prefix is None:
+        if not seq.prefixes:
             out[src] = cache_attention(query[0, :, src], k_cache, v_cache, seq.start, scaling)
         else:
-            forks.setdefault((id(seq.prefix), seq.prefix_len), []).append(seq)
+            forks.setdefault(tuple((id(c), n) for c, n in seq.prefixes), []).append(seq)
     for group in forks.values():
-        prefix_k, prefix_v = group[0].prefix.layer(layer)
         results = forked_attention(
-            [query[0, :, s.offset:s.offset + s.n] for s in group], prefix_k, prefix_v, group[0].prefix_len,
+            [query[0, :, s.offset:s.offset + s.n] for s in group],
+            [(*c.layer(layer), n) for c, n in group[0].prefixes],
             [(*s.cache.layer(layer), s.start) for s in group], scaling)
         for s, r in zip(group, results):
             out[s.offset:s.offset + s.n] = r

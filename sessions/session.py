@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 class Chunk:
     """One accepted input: its text, where its tokens sit in the cache, and when it came."""
 
-    seq: int
+    seq: int  # 0 for reasoning written into the reading cache (interleaved thinking)
     ts: float
     text: str
     start: int
@@ -69,6 +69,7 @@ class Session:
         self.flash: dict = {}  # flash_id -> FlashQuestion
         self.next_flash_id = 1
         self.listeners: list = []  # callables (event_type, payload) on the engine thread
+        self.thinking = None  # ThinkingState, when a thinking mode is set
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 
     @property
@@ -111,8 +112,16 @@ class Session:
         self.last_input_at = chunk.ts
         return chunk
 
+    def record_reasoning(self, start: int, tokens: list[int], text: str) -> None:
+        """Reasoning written into the reading cache (interleaved mode): logged in place, so the
+        log still replays to the same cache; it is not input and bumps no version."""
+        self.chunks.append(Chunk(0, time.time(), text, start, tokens, hashlib.sha256(text.encode()).hexdigest()[:16]))
+
     def tail_from(self, from_seq: int | None) -> int:
         """Index in `chunks` of the first chunk a revise replaces (default: the last one)."""
+        if self.thinking is not None and any(c.seq == 0 for c in self.chunks):
+            raise InvalidRequest(f"session {self.id} holds interleaved reasoning; revise needs thinking mode "
+                                 "'off' or 'dual' from the start")
         if not self.chunks:
             raise InvalidRequest(f"session {self.id} has no input to revise")
         if from_seq is None:
@@ -140,6 +149,7 @@ class Session:
             "last_input_at": self.last_input_at,
             "queries_answered": self.queries_answered,
             "flash": [q.state(self.data_version) for q in self.flash.values()],
+            "thinking": self.thinking.public() if self.thinking is not None else {"mode": "off"},
         }
 
     def notify(self, event: str, payload: dict) -> None:

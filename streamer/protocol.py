@@ -70,11 +70,12 @@ class Command:
 
 
 class _Field:
-    __slots__ = ("kind", "required", "lo", "hi", "limit")
+    __slots__ = ("kind", "required", "lo", "hi", "limit", "schema")
 
     def __init__(self, kind: str, required: bool = False, lo: float | None = None,
-                 hi: float | None = None, limit: str | None = None) -> None:
+                 hi: float | None = None, limit: str | None = None, schema: dict | None = None) -> None:
         self.kind, self.required, self.lo, self.hi, self.limit = kind, required, lo, hi, limit
+        self.schema = schema  # for kind "object": the fields of the nested object
 
 
 _SID = _Field("id", required=True)
@@ -86,9 +87,23 @@ FLASH_FIELDS: dict[str, _Field] = {
     "min_interval_ms": _Field("int", lo=0, hi=86_400_000),
     "confirm": _Field("int", lo=1, hi=100),
 }
+THINKING_FIELDS: dict[str, _Field] = {
+    "mode": _Field("str", True, limit="max_id_chars"),
+    "every_tokens": _Field("int", lo=0),
+    "unit_tokens": _Field("int", lo=1),
+    "stop": _Field("str", limit="max_id_chars"),
+    "final_tokens": _Field("int", lo=0),
+    "max_tokens": _Field("int", lo=1),
+    "positions": _Field("str", limit="max_id_chars"),
+    "offset": _Field("int", lo=0),
+    "question": _Field("str", limit="max_question_chars"),
+    "prompt": _Field("str", limit="max_question_chars"),
+}
 SCHEMAS: dict[str, dict[str, _Field]] = {
     "session.create": {"system_prompt": _Field("str", limit="max_system_prompt_chars"),
-                       "session_id": _Field("id"), "flash": _Field("flashlist")},
+                       "session_id": _Field("id"), "flash": _Field("flashlist"),
+                       "thinking": _Field("object", schema=THINKING_FIELDS)},
+    "session.update": {"session_id": _SID, "thinking": _Field("object", True, schema=THINKING_FIELDS)},
     "session.get": {"session_id": _SID},
     "session.close": {"session_id": _SID},
     "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars")},
@@ -214,6 +229,14 @@ class ServerProtocol:
         elif spec.kind == "bool":
             if not isinstance(value, bool):
                 bad = "true or false"
+        elif spec.kind == "object":
+            if not isinstance(value, dict):
+                bad = "an object"
+            else:
+                if "type" in value or "event_id" in value:
+                    raise ProtocolError(UNKNOWN_FIELD, f"{kind}: '{name}' has no field 'type' or 'event_id'",
+                                        param=name)
+                value = self._validate(f"{kind} {name}", value, spec.schema)
         elif spec.kind == "flashlist":
             limit = self.limits.max_flash_at_create
             if not isinstance(value, list) or len(value) > limit:

@@ -89,6 +89,7 @@ class Connection:
             "query.create": self.on_query, "query.cancel": self.on_query_cancel,
             "flash.register": self.on_flash_register, "flash.unregister": self.on_flash_unregister,
             "subscribe": self.on_subscribe, "unsubscribe": self.on_unsubscribe,
+            "session.update": self.on_session_update,
         }
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -186,7 +187,7 @@ class Connection:
 
     def on_session_create(self, cmd: Command) -> None:
         flash = [_flash_args(item) for item in cmd["flash"] or ()]
-        fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash)
+        fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash, cmd["thinking"])
 
         def created(state: dict) -> str:
             sid = state["session_id"]
@@ -198,6 +199,12 @@ class Connection:
                                     model=self.engine.runner.name, subscribe_token=token, session=state)
 
         self.reply(cmd, fut, created)
+
+    def on_session_update(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            self.reply(cmd, self.engine.configure_thinking(cmd.session_id, cmd["thinking"]),
+                       lambda st: self.proto.event("session.updated", reply_to=cmd.event_id,
+                                                   session_id=cmd.session_id, session=st))
 
     def on_session_get(self, cmd: Command) -> None:
         if self.owned(cmd):

@@ -61,7 +61,7 @@ def test_forked_attention_equals_attention_over_the_concatenation(prefix_len, si
         full_k = torch.cat([prefix_k[:, :prefix_len], k[:, :start + n]], dim=1)
         full_v = torch.cat([prefix_v[:, :prefix_len], v[:, :start + n]], dim=1)
         expected.append(naive(q, full_k, full_v, prefix_len + start, dim ** -0.5))
-    got = forked_attention(queries, prefix_k, prefix_v, prefix_len, suffixes, dim ** -0.5)
+    got = forked_attention(queries, [(prefix_k, prefix_v, prefix_len)], suffixes, dim ** -0.5)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
@@ -74,5 +74,20 @@ def test_merge_partials_ignores_empty_ranges():
 
 def test_forked_attention_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="2 query blocks but 1 suffix"):
-        forked_attention([torch.randn(2, 1, 4)] * 2, torch.randn(1, 4, 4), torch.randn(1, 4, 4), 2,
+        forked_attention([torch.randn(2, 1, 4)] * 2, [(torch.randn(1, 4, 4), torch.randn(1, 4, 4), 2)],
                          [(torch.randn(1, 4, 4), torch.randn(1, 4, 4), 0)])
+
+
+@pytest.mark.parametrize("lengths", [[0, 6], [9, 0], [9, 6], [1, 1]])
+def test_two_shared_ranges_equal_attention_over_the_concatenation(lengths):
+    """Reading range + thinking range + the fork's own tokens (dual-cache decoding)."""
+    torch.manual_seed(sum(lengths))
+    kv_heads, group, dim = 3, 3, 8
+    ranges = [(torch.randn(kv_heads, n + 4, dim), torch.randn(kv_heads, n + 4, dim), n) for n in lengths]
+    k = torch.randn(kv_heads, 7, dim)
+    v = torch.randn_like(k)
+    q = torch.randn(kv_heads * group, 3, dim)
+    got = forked_attention([q], ranges, [(k, v, 2)], dim ** -0.5)[0]
+    full_k = torch.cat([rk[:, :n] for rk, _, n in ranges] + [k[:, :5]], dim=1)
+    full_v = torch.cat([rv[:, :n] for _, rv, n in ranges] + [v[:, :5]], dim=1)
+    torch.testing.assert_close(got, naive(q, full_k, full_v, sum(lengths) + 2, dim ** -0.5), atol=1e-5, rtol=1e-5)

@@ -77,6 +77,15 @@ def test_cli_serve_and_client_stream(tmp_path):
         answers = [e for e in events if e["event"] == "answer"]
         assert len(answers) >= 2 and any("ada" in a["text"].lower() for a in answers), out
         assert answers[-1]["context_tokens"] > answers[0]["context_tokens"]
+        watched = _streamer("client", "stream", str(doc), "--url", f"ws://127.0.0.1:{port}", "--chunk-chars", "500",
+                            "--flash", "What is the keeper's name?", "--thinking", "dual", "--json")
+        out, _ = watched.communicate(timeout=300)
+        assert watched.returncode == 0, out
+        events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        flashes = [e for e in events if e["event"] == "flash"]
+        notes = [e for e in events if e["event"] == "reasoning"]
+        assert flashes and flashes[0]["question"] == "What is the keeper's name?", out
+        assert notes and all(n["text"] for n in notes), out
         bad = _streamer("client", "stream", str(tmp_path / "missing.txt"), "--url", f"ws://127.0.0.1:{port}")
         out, _ = bad.communicate(timeout=60)
         assert bad.returncode != 0 and "missing.txt" in out

@@ -3,14 +3,7 @@ cached answers, and the errors around them."""
 
 import asyncio
 
-from wsutil import check_error, raw, serve
-
-
-async def next_of(peer, kind, timeout=60):
-    while True:
-        event = await peer.recv(timeout)
-        if event["type"] == kind:
-            return event
+from wsutil import check_error, next_of, raw, serve
 
 
 def test_flash_pushes_to_producer_and_subscriber_and_serves_cached_answers(tiny_engine):

@@ -24,7 +24,11 @@ CODES = {
 FULL = {
     "session.create": {"system_prompt": "Be brief. — ünïcode ✓", "session_id": "s-1",
                        "flash": [{"question": "Who?", "flash_id": "f-1", "max_tokens": 8, "priority": 2,
-                                  "min_interval_ms": 100, "confirm": 2}, {"question": "Where?"}]},
+                                  "min_interval_ms": 100, "confirm": 2}, {"question": "Where?"}],
+                       "thinking": {"mode": "dual", "every_tokens": 64, "unit_tokens": 16, "stop": "sentence",
+                                    "final_tokens": 32, "max_tokens": 512, "positions": "after", "offset": 0,
+                                    "question": "Who?", "prompt": "Notes."}},
+    "session.update": {"session_id": "s-1", "thinking": {"mode": "off"}},
     "session.get": {"session_id": "s-1"},
     "session.close": {"session_id": "s-1"},
     "input.text.append": {"session_id": "s-1", "text": "hello wörld ✓\n"},
@@ -357,6 +361,7 @@ BAD_BY_KIND = {
     "bool": [0, 1, "true", "false", [], {}, 0.0],
     "strlist": ["stop", [""], ["a", ""], [1], [None], [["a"]], [{}], ["a"] * 9, {}, {"a": "b"}, 1, True],
     "flashlist": ["q", 1, True, {}, {"question": "q"}, [1], ["q"], [None], [[]], [{"question": "q"}] * 65],
+    "object": ["dual", 1, True, [], [{"mode": "dual"}]],
 }
 
 

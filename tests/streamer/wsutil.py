@@ -71,3 +71,11 @@ def check_error(event, code, recoverable=True):
     assert event["error"]["recoverable"] is recoverable
     assert event["error"]["message"]
     return event["error"]
+
+
+async def next_of(peer, kind, timeout=60):
+    """The next event of type `kind`, skipping others."""
+    while True:
+        event = await peer.recv(timeout)
+        if event["type"] == kind:
+            return event

@@ -1,0 +1,291 @@
+"""Thinking while reading: reasoning units written while input still streams.
+
+Modes (per session):
+- `off`: no reasoning.
+- `interleaved`: one cache. A unit closes the data turn, asks for notes, decodes them into the
+  reading cache and reopens the data turn, so input and reasoning sit in arrival order (the
+  baseline of the published work).
+- `dual`: a reading cache and a thinking cache. The reading cache is prefilled as input
+  arrives and never sees reasoning. A unit's tokens attend to `reading[0:visible)` plus all
+  earlier reasoning, where `visible` is the reading length when the unit starts; written
+  reasoning is frozen. The thinking stream has its own positions: `positions="after"` (stock
+  models) places each token after the input it can see (`visible + t`, monotone because
+  `visible` only grows); `positions="group"` (checkpoints trained for streaming) uses
+  `offset + t`.
+
+A unit runs after input arrives (each chunk, or every `every_tokens` new tokens), with a
+token budget and a stop rule (sentence end, newline, or the budget alone), and is skipped when
+nothing new arrived. `input.end` triggers a final deliberation of `final_tokens` that continues
+the notes. Questions in dual mode see reading + thinking, so the answer builds on the notes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidRequest
+from .jobs import Job, Priority
+from .kvcache import KVCache
+from .runner import SeqStep
+from .session import Session
+
+MODES = ("off", "interleaved", "dual")
+STOPS = ("sentence", "newline", "budget")
+POSITIONS = ("after", "group")
+DEFAULT_PROMPT = "Read what has arrived so far and write brief notes: key facts, names, numbers, changes."
+SENTENCE_ENDS = (".", "!", "?")
+
+
+@dataclass(slots=True)
+class ThinkingConfig:
+    mode: str = "off"
+    every_tokens: int = 0  # 0: a unit after every input chunk; N: once N new input tokens arrived
+    unit_tokens: int = 32  # budget of one unit
+    stop: str = "sentence"
+    final_tokens: int = 64  # budget of the final deliberation at input.end
+    max_tokens: int | None = None  # bound on the thinking cache (dual; default min(1024, window / 4))
+    positions: str = "after"
+    offset: int = 0  # first position of the thinking stream with positions="group"
+    question: str | None = None  # a question known in advance, to steer the notes
+    prompt: str | None = None  # the instruction (default: DEFAULT_PROMPT)
+
+    def validate(self, context_window: int) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = min(1024, context_window // 4)
+        if self.mode not in MODES:
+            raise InvalidRequest(f"thinking mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.stop not in STOPS:
+            raise InvalidRequest(f"thinking stop must be one of {', '.join(STOPS)}, got {self.stop!r}")
+        if self.positions not in POSITIONS:
+            raise InvalidRequest(f"thinking positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        for name, lo, hi in (("unit_tokens", 1, 1024), ("final_tokens", 0, 4096), ("every_tokens", 0, 1 << 20),
+                             ("max_tokens", 16, context_window), ("offset", 0, context_window)):
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                raise InvalidRequest(f"thinking {name} must be in [{lo}, {hi}], got {value}")
+
+    def instruction(self) -> str:
+        text = self.prompt or DEFAULT_PROMPT
+        return f"{text} Focus on what helps answer: {self.question}" if self.question else text
+
+
+@dataclass(slots=True)
+class Unit:
+    index: int
+    seqs: tuple[int, int]  # input seqs [first, last] visible to it
+    visible: int  # reading tokens it could see
+    start: int  # first slot in the thinking cache (dual) or reading cache (interleaved)
+    end: int = 0
+    positions: tuple[int, int] = (0, 0)  # first and last position of its tokens
+    text: str = ""
+    final: bool = False
+    started_at: float = 0.0
+    done_at: float = 0.0
+
+    def public(self) -> dict:
+        return {"unit": self.index, "seq_range": list(self.seqs), "visible_tokens": self.visible,
+                "tokens": self.end - self.start, "positions": list(self.positions), "text": self.text,
+                "final": self.final}
+
+
+@dataclass(slots=True)
+class ThinkingState:
+    config: ThinkingConfig
+    cache: KVCache | None = None  # dual only
+    units: list[Unit] = field(default_factory=list)
+    written: int = 0  # reasoning tokens ever written (never reduced by drops): the "after" counter
+    last_position: int = -1
+    seen_tokens: int = 0  # reading length the last unit saw
+    seen_seq: int = 0
+    final_requested: bool = False
+    final_done: bool = False
+    dropped_units: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.cache.length if self.cache is not None else sum(u.end - u.start for u in self.units)
+
+    def public(self) -> dict:
+        c = self.config
+        return {"mode": c.mode, "every_tokens": c.every_tokens, "unit_tokens": c.unit_tokens, "stop": c.stop,
+                "final_tokens": c.final_tokens, "max_tokens": c.max_tokens, "positions": c.positions,
+                "units": len(self.units), "dropped_units": self.dropped_units, "thinking_tokens": self.tokens,
+                "visible_tokens": self.seen_tokens, "final_done": self.final_done,
+                "recent": [u.public() for u in self.units[-3:]]}
+
+
+def configure(session: Session, config: ThinkingConfig) -> None:
+    """Set (or change) a session's thinking mode. Switching modes keeps written reasoning
+    where it is; a dual thinking cache is created on first use."""
+    config.validate(session.context_window)
+    state = session.thinking
+    if state is None or state.config.mode != config.mode:
+        session.thinking = ThinkingState(config)
+        if config.mode == "dual":
+            session.thinking.cache = session.runner.new_cache(config.max_tokens + 64)
+        session.thinking.seen_tokens = session.cache.length if state is None else state.seen_tokens
+    else:
+        state.config = config
+
+
+def due(session: Session) -> bool:
+    """Whether a new unit should start now: enough new input since the last one, or the final
+    deliberation after input.end."""
+    state = session.thinking
+    if state is None or state.config.mode == "off" or session.closed:
+        return False
+    if state.final_requested and not state.final_done:
+        return True
+    new = session.cache.length - state.seen_tokens
+    if session.data_version == 0 or new <= 0 or session.ended:
+        return False
+    every = state.config.every_tokens
+    return new >= every if every else session.chunks and session.chunks[-1].seq > state.seen_seq
+
+
+class ThinkJob(Job):
+    """One reasoning unit. Dual: a fork with the thinking cache as its own cache (committed:
+    reasoning is frozen once written), runs beside ingest. Interleaved: writes into the
+    reading cache and so runs in the session's queue."""
+
+    priority = Priority.THINKING
+
+    def __init__(self, session: Session, stop_ids: frozenset[int]) -> None:
+        super().__init__(session)
+        state = session.thinking
+        self.state = state
+        self.config = state.config
+        self.stop_ids = stop_ids
+        self.dual = self.config.mode == "dual"
+        self.final = state.final_requested and not state.final_done
+        self.budget = self.config.final_tokens if self.final else self.config.unit_tokens
+        self.epoch = session.crop_epoch
+        self.generated: list[int] = []
+        self.to_feed: list[int] = []  # tokens to write before sampling again
+        self.phase = "header"  # header -> decode -> closing (feed the last token) -> reopen -> done
+        self.cancelled = False
+        self.unit: Unit | None = None
+        self.first_pos: int | None = None
+        self.fed: list[int] = []  # every token written by this unit
+
+    def begin(self) -> None:
+        s, state, c = self.session, self.state, self.config
+        visible = s.cache.length
+        last = s.chunks[-1].seq if s.chunks else 0
+        first = min(state.seen_seq + 1, last)
+        if not state.units or not self.dual:
+            self.to_feed = s.tokenize(s.framing.question_text(c.instruction()))
+        else:
+            self.to_feed = s.tokenize("\n")
+        reopen = len(s.tokenize(s.framing.between)) if not self.dual else 0
+        self._make_room(len(self.to_feed) + self.budget + reopen + 1)
+        start = state.cache.length if self.dual else visible
+        self.unit = Unit(len(state.units) + state.dropped_units, (first, last), visible, start, start,
+                         final=self.final, started_at=time.monotonic())
+        state.seen_tokens, state.seen_seq = visible, last
+        if self.final:
+            state.final_done = True
+
+    def _make_room(self, need: int) -> None:
+        """Dual: drop the oldest units (never the first, which holds the header) until `need`
+        more tokens fit. Interleaved: the reading cache must have room."""
+        state = self.state
+        if not self.dual:
+            self.session.check_room(need, "reasoning")
+            return
+        while state.cache.length + need > state.cache.max_tokens and len(state.units) > 1:
+            victim = state.units.pop(1)
+            width = victim.end - victim.start
+            state.cache.remove(victim.start, victim.end)
+            for u in state.units[1:]:
+                u.start -= width
+                u.end -= width
+            state.dropped_units += 1
+        if state.cache.length + need > state.cache.max_tokens:
+            raise InvalidRequest(f"thinking cache of {state.cache.max_tokens} tokens cannot hold a unit of {need}")
+
+    def _position(self) -> int:
+        """Position of the next reasoning token."""
+        state, c = self.state, self.config
+        if not self.dual:
+            return self.session.cache.length
+        if c.positions == "group":
+            return c.offset + state.written
+        return max(self.unit.visible + state.written, state.last_position + 1)
+
+    def plan(self, budget: int) -> list[SeqStep]:
+        s = self.session
+        if self.unit is None:
+            self.begin()
+        if s.closed or (self.dual and s.crop_epoch != self.epoch):
+            self.cancelled = self.done = True  # the input it read was rewritten
+            if self.dual:
+                self.state.cache.crop(self.unit.start)
+            return []
+        tokens = self.to_feed[:max(1, budget)]
+        self._planned = len(tokens)
+        if self.dual:
+            cache = self.state.cache
+            return [SeqStep(cache, cache.length, tokens, prefixes=((s.cache, self.unit.visible),),
+                            pos0=self._position() - cache.length)]
+        return [SeqStep(s.cache, s.cache.length, tokens)]
+
+    def complete_many(self, rows: list[torch.Tensor]) -> None:
+        n, position = self._planned, self._position()
+        cache = self.state.cache if self.dual else self.session.cache
+        cache.commit(cache.length + n)
+        self.state.written += n
+        self.state.last_position = position + n - 1
+        self.fed.extend(self.to_feed[:n])
+        del self.to_feed[:n]
+        if self.phase in ("decode", "closing") and self.first_pos is None:
+            self.first_pos = position
+        if self.to_feed:
+            return
+        if self.phase == "closing":
+            self._close()
+        elif self.phase == "reopen":
+            self._done()
+        else:
+            self.phase = "decode"
+            self._take(int(torch.argmax(rows[0])))
+
+    def _take(self, token: int) -> None:
+        if token in self.stop_ids:
+            self._close()
+            return
+        self.generated.append(token)
+        text = self.session.tokenizer.decode(self.generated, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            delta, self.unit.text = text[len(self.unit.text):], text
+            if delta:
+                self.session.notify("reasoning.delta", {"unit": self.unit.index, "delta": delta})
+        self.to_feed = [token]
+        stop, stripped = self.config.stop, text.rstrip(" ")
+        if (len(self.generated) >= self.budget
+                or (stop == "newline" and stripped.endswith("\n") and stripped.strip())
+                or (stop == "sentence" and len(self.generated) > 2 and stripped.endswith(SENTENCE_ENDS))):
+            self.phase = "closing"  # write this last token, then stop
+
+    def _close(self) -> None:
+        unit = self.unit
+        last = self.state.last_position
+        unit.positions = (last if self.first_pos is None else self.first_pos, last)
+        if not self.dual:  # close the notes and reopen the data turn, so input continues there
+            self.to_feed = self.session.tokenize(self.session.framing.between)
+            self.phase = "reopen"
+            return
+        self._done()
+
+    def _done(self) -> None:
+        unit, state = self.unit, self.state
+        unit.done_at = time.monotonic()
+        unit.end = (state.cache if self.dual else self.session.cache).length
+        if not self.dual:
+            self.session.record_reasoning(unit.start, self.fed, unit.text)
+        state.units.append(unit)
+        self.session.notify("reasoning.done", unit.public())
+        self.done = True
