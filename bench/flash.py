@@ -24,7 +24,7 @@ from importlib import resources
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+from baselines import stateless_answer  # noqa: E402
 
 from streamer.clients.client import StreamerClient  # noqa: E402
 from streamer.server import ServerConfig, StreamerServer  # noqa: E402
@@ -32,7 +32,7 @@ from streamer.sessions.engine import Engine, EngineLimits  # noqa: E402
 from streamer.sessions.flash import FlashJob, FlashQuestion  # noqa: E402
 from streamer.sessions.jobs import QueryJob, drive  # noqa: E402
 from streamer.sessions.models import load_model  # noqa: E402
-from streamer.sessions.runner import ModelRunner, SeqStep  # noqa: E402
+from streamer.sessions.runner import ModelRunner  # noqa: E402
 from streamer.sessions.sampling import SamplingParams  # noqa: E402
 
 QUESTIONS = [
@@ -140,12 +140,7 @@ def stateless(runner, paragraphs: list[str], question: str, max_tokens: int) -> 
 
     s = Session("x", runner)
     ids = s.prefix_ids + [t for p in paragraphs for t in s.tokenize(p)] + s.question_ids(question)
-    cache = runner.new_cache()
-    started = time.perf_counter()
-    logits = runner.forward([SeqStep(cache, 0, ids)], logits="last")[0]
-    for pos in range(len(ids), len(ids) + max_tokens - 1):
-        logits = runner.forward([SeqStep(cache, pos, [int(torch.argmax(logits))])], logits="last")[0]
-    return time.perf_counter() - started
+    return stateless_answer(runner, ids, max_tokens)
 
 
 def main() -> None:

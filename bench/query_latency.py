@@ -27,6 +27,7 @@ from importlib import resources
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from baselines import stateless_answer  # noqa: E402
 
 from streamer.sessions.engine import Engine, EngineLimits  # noqa: E402
 from streamer.sessions.jobs import PrefillJob, QueryJob, drive  # noqa: E402
@@ -65,13 +66,7 @@ def ask_session(runner, session, question) -> float:
 
 
 def ask_stateless(runner, ids: list[int]) -> float:
-    """Prefill everything in one forward on a fresh cache, then decode greedily."""
-    cache = runner.new_cache()
-    started = time.perf_counter()
-    logits = runner.forward([SeqStep(cache, 0, ids)], logits="last")[0]
-    for pos in range(len(ids), len(ids) + ANSWER_TOKENS - 1):
-        logits = runner.forward([SeqStep(cache, pos, [int(torch.argmax(logits))])], logits="last")[0]
-    return time.perf_counter() - started
+    return stateless_answer(runner, ids, ANSWER_TOKENS)
 
 
 def ingest(runner, pieces: list[list[int]]) -> tuple[Session, float]:

@@ -7,7 +7,7 @@ import pytest
 
 from streamer.sessions.errors import EngineError
 from streamer.sessions.flash import FlashAnswer, FlashJob, FlashQuestion, normalize
-from streamer.sessions.jobs import PrefillJob, QueryJob, ReviseJob, drive
+from streamer.sessions.jobs import PrefillJob, QueryJob, drive
 from streamer.sessions.sampling import SamplingParams
 from streamer.sessions.session import Session
 

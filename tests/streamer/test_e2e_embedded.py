@@ -1,6 +1,5 @@
 """End to end on the embedded SmolLM2 model: real server, real client, real CLI processes."""
 
-import asyncio
 import json
 import os
 import re
