@@ -4,6 +4,6 @@
 This package imports nothing else from the project.
 """
 
-from .reference import cache_attention, causal_offset_mask, forked_attention, merge_partials
+from .reference import cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention
 
-__all__ = ["cache_attention", "causal_offset_mask", "forked_attention", "merge_partials"]
+__all__ = ["cache_attention", "causal_offset_mask", "forked_attention", "merge_partials", "ranges_attention"]

@@ -89,6 +89,44 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.reshape(heads, n, dim), lse.reshape(heads, n)
 
 
+def _causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Square causal attention of `n` new queries over their own `n` keys, with its lse."""
+    heads, n, dim = q.shape
+    group = heads // k.shape[0]
+    if _CPU_FLASH is not None and q.device.type == "cpu":
+        ke = k.repeat_interleave(group, dim=0) if group > 1 else k  # n keys only: cheap to expand
+        ve = v.repeat_interleave(group, dim=0) if group > 1 else v
+        out, lse = _CPU_FLASH(q.unsqueeze(0), ke.unsqueeze(0), ve.unsqueeze(0), is_causal=True, scale=scaling)[:2]
+        return out[0], lse[0]
+    return _partial_attention(q, k, v, causal_offset_mask(n, 0, q.device), scaling)
+
+
+def ranges_attention(
+    query: torch.Tensor,
+    ranges: list[tuple[torch.Tensor, torch.Tensor, int]],
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    own_start: int,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """New queries of one sequence over read-only ranges (a shared system-prompt prefix, say)
+    plus its own cache, whose slots `[0, own_start)` are cached and `[own_start, own_start+n)`
+    hold the new tokens. Each part runs through a fused kernel and the parts are merged by
+    log-sum-exp, so a long own cache is read in place, with no copy and no materialised scores.
+
+    Returns `[n, heads, d]`.
+    """
+    heads, n, dim = query.shape
+    scale = dim ** -0.5 if scaling is None else scaling
+    parts = [_partial_attention(query, k[:, :length], v[:, :length], None, scale)
+             for k, v, length in ranges if length > 0]
+    if own_start > 0:
+        parts.append(_partial_attention(query, own_k[:, :own_start], own_v[:, :own_start], None, scale))
+    end = own_start + n
+    parts.append(_causal_partial(query, own_k[:, own_start:end], own_v[:, own_start:end], scale))
+    return merge_partials(parts).transpose(0, 1)
+
+
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine attention computed over disjoint key ranges by their log-sum-exps."""
     lse = torch.stack([p[1] for p in parts])  # [ranges, heads, n]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .errors import (EngineError, EngineStopped, InputEnded, InvalidRequest, SessionClosed,
                      SessionNotFound)
+from .pool import BlockPool, OutOfBlocks, default_budget_bytes
 from .flash import FlashJob, FlashQuestion, normalize, validate_registration
 from .jobs import Job, PrefillJob, QueryJob, QueryResult, ReviseJob
 from .runner import ModelRunner, SeqStep
@@ -40,6 +41,13 @@ class EngineLimits:
     max_answer_tokens: int = 1024
     max_context_tokens: int | None = None  # per session; default: the model's window
     max_flash_per_session: int = 16
+    kv_budget_bytes: int | None = None  # the KV pool; default: half the memory available at start
+    block_size: int = 16  # tokens per pool block
+    share_prefix: bool = True  # sessions with the same system prompt share its full blocks
+    admission: str = "refuse"  # when the pool is full: "refuse" new sessions, or "queue" them
+    admission_timeout_s: float = 30.0  # how long a queued session may wait for memory
+    park_idle_s: float = 1.0  # a session idle this long may be parked to free blocks
+    park_to_disk: bool = False  # park to files under the cache directory instead of host memory
 
 
 @dataclass(slots=True)
@@ -56,6 +64,10 @@ class EngineStats:
     flash_questions_evaluated: int = 0
     flash_pushed: int = 0
     flash_cancelled: int = 0
+    parked: int = 0
+    restored: int = 0
+    admissions_queued: int = 0
+    admissions_refused: int = 0
 
 
 class QueryHandle:
@@ -76,6 +88,11 @@ class Engine:
         self.limits = limits or EngineLimits()
         self.stats = EngineStats()
         self.stop_ids = stop_token_ids(runner.tokenizer, runner.model)
+        if self.limits.admission not in ("refuse", "queue"):
+            raise ValueError(f"admission must be 'refuse' or 'queue', got {self.limits.admission!r}")
+        budget = self.limits.kv_budget_bytes or default_budget_bytes(runner.device)
+        self.pool = BlockPool(runner.kv_shape, budget, self.limits.block_size)
+        self._admission: deque[tuple[float, Callable[[], object], Future]] = deque()  # waiting for memory
         self.sessions: dict[str, Session] = {}
         self._queues: dict[str, deque[tuple[Job, Future]]] = {}
         self._flash: dict[str, FlashJob] = {}  # running flash evaluation per session
@@ -139,7 +156,16 @@ class Engine:
             sid = session_id or secrets.token_hex(12)
             if sid in self.sessions:
                 raise InvalidRequest(f"session id {sid!r} is already in use")
-            session = Session(sid, self.runner, system_prompt, self.context_window)
+            return self._admit(lambda: self._open_session(sid, system_prompt, flash, thinking))
+
+        return self._call(create)
+
+    def _open_session(self, sid: str, system_prompt: str | None, flash: list[dict] | None,
+                      thinking: dict | None) -> Future:
+        """Build the session (its shared prefix may need blocks: OutOfBlocks propagates) and
+        queue the prefill of its framing; the future resolves to its state."""
+        session = Session(sid, self.runner, system_prompt, self.context_window, self.pool, self.limits.share_prefix)
+        try:
             if len(session.prefix_ids) >= session.context_window:
                 raise InvalidRequest(f"system prompt of {len(session.prefix_ids)} tokens does not fit "
                                      f"the context window of {session.context_window} tokens")
@@ -148,16 +174,85 @@ class Engine:
                 session.flash[q.flash_id] = q
             if thinking:
                 configure(session, _thinking_config(thinking))
-            self.sessions[sid] = session
-            self._queues[sid] = deque()
-            self.stats.sessions_created += 1
-            job = PrefillJob(session, session.prefix_ids, None)
-            done = self._enqueue(job)
-            out: Future = Future()
+            session.cache.reserve(len(session.prefix_ids))  # admission: its framing must fit now
+        except BaseException:
+            session.cache.release()
+            raise
+        self.sessions[sid] = session
+        self._queues[sid] = deque()
+        self.stats.sessions_created += 1
+        shared = getattr(session.cache, "prefix", None)
+        done = None
+        if shared is not None and not shared.filled:
+            done = self._enqueue(PrefillJob(session, shared.tokens, None, cache=shared))
+        rest = session.prefix_ids[session.cache.length:]
+        if rest:
+            done = self._enqueue(PrefillJob(session, rest, None))
+        out: Future = Future()
+        if done is None:
+            out.set_result(session.state())
+        else:
             done.add_done_callback(lambda f: _chain(f, out, lambda _: session.state()))
-            return out
+        return out
 
-        return self._call(create)
+    def _admit(self, open_session: Callable[[], Future]) -> Future:
+        """Admission control: open the session if its blocks fit the KV budget (parking idle
+        sessions if that makes room); otherwise refuse, or queue it until memory frees."""
+        try:
+            return self._with_room(open_session)
+        except OutOfBlocks as exc:
+            if self.limits.admission == "refuse":
+                self.stats.admissions_refused += 1
+                raise OutOfBlocks(f"no room for a new session: {exc}") from None
+        out: Future = Future()
+        self._admission.append((time.monotonic() + self.limits.admission_timeout_s, open_session, out))
+        self.stats.admissions_queued += 1
+        return out
+
+    def _retry_admissions(self) -> None:
+        now = time.monotonic()
+        while self._admission:
+            deadline, open_session, out = self._admission[0]
+            try:
+                result = self._with_room(open_session)
+            except OutOfBlocks as exc:
+                if now < deadline:
+                    return  # FIFO: later arrivals wait behind the first
+                self._admission.popleft()
+                self.stats.admissions_refused += 1
+                out.set_exception(OutOfBlocks(f"no room for a new session after waiting "
+                                              f"{self.limits.admission_timeout_s:.0f} s: {exc}"))
+                continue
+            except Exception as exc:
+                self._admission.popleft()
+                out.set_exception(exc)
+                continue
+            self._admission.popleft()
+            result.add_done_callback(lambda f, out=out: _chain(f, out))
+
+    def _with_room(self, action: Callable[[], object], keep: Session | None = None):
+        """Run `action`; if it runs out of blocks, park idle sessions and try once more."""
+        try:
+            return action()
+        except OutOfBlocks:
+            if not self._park_idle(keep):
+                raise
+            return action()
+
+    def _park_idle(self, keep: Session | None = None) -> int:
+        """Park idle sessions, least recently used first, to free pool blocks; returns how
+        many were parked. A session is idle when nothing of it is queued or running."""
+        now = time.monotonic()
+        idle = [s for sid, s in self.sessions.items()
+                if s is not keep and not self._queues[sid] and sid not in self._flash and sid not in self._think
+                and getattr(s.cache, "extent", None) is not None and now - s.last_active >= self.limits.park_idle_s]
+        parked = 0
+        for session in sorted(idle, key=lambda s: s.last_active):
+            if session.cache.park(self.limits.park_to_disk, session.id):
+                parked += 1
+                self.stats.parked += 1
+                session.log.info("parked to %s", "disk" if self.limits.park_to_disk else "host memory")
+        return parked
 
     def append(self, session_id: str, text: str) -> Future:
         """Resolves to an AppendResult once the text's tokens are in the cache."""
@@ -275,6 +370,10 @@ class Engine:
             del self.sessions[session_id]
             self._flash.pop(session_id, None)
             self._think.pop(session_id, None)
+            session.cache.release()
+            if session.thinking is not None and session.thinking.cache is not None:
+                session.thinking.cache = None
+            self._retry_admissions()
             return session.state()
 
         return self._call(close)
@@ -316,13 +415,15 @@ class Engine:
         while True:
             while self._control:
                 self._control.popleft()()
+            if self._admission:
+                self._retry_admissions()
             if self._stopping:
                 break
             batch = self._schedule()
             if batch:
                 self._execute(batch)
             elif not self._control:
-                self._wake.wait(self._next_flash_due())
+                self._wake.wait(self._next_wakeup())
                 self._wake.clear()
         self._fail_all(EngineStopped())
 
@@ -343,10 +444,14 @@ class Engine:
                 break
             for job, fut in self._with_followers(job, fut):
                 try:
+                    self._resident(job.session)
                     steps = job.plan(budget)
+                    for step in steps:  # take blocks now, so a full pool fails this job, not the step
+                        self._with_room(lambda: step.cache.reserve(step.start + step.n), job.session)
                 except Exception as exc:
                     self._resolve(job, fut, exc)
                     break
+                job.session.last_active = time.monotonic()
                 if steps:
                     batch.append((job, fut, steps))
                     budget -= sum(step.n for step in steps)
@@ -355,6 +460,14 @@ class Engine:
                 if budget <= 0 or not _finishes(job, steps):
                     break
         return batch
+
+    def _resident(self, session: Session) -> None:
+        """Bring a parked session back into the pool before its work runs."""
+        cache = session.cache
+        if getattr(cache, "parked", None) is not None:
+            self._with_room(cache.restore, session)
+            self.stats.restored += 1
+            session.log.info("restored from parking")
 
     def _with_followers(self, job: Job, fut: Future | None):
         """The job, then, while each one finishes within this step, the appends queued right
@@ -407,7 +520,7 @@ class Engine:
         reading the notes, since a unit may drop old ones; interleaved units write the reading
         cache, so they queue behind the session's other work."""
         for sid, session in self.sessions.items():
-            if sid in self._think or not due(session):
+            if sid in self._think or getattr(session.cache, "parked", None) is not None or not due(session):
                 continue
             queue = self._queues[sid]
             if session.thinking.config.mode == "dual":
@@ -426,6 +539,8 @@ class Engine:
         for sid, session in self.sessions.items():
             if sid in self._flash or not session.flash or session.pending_tokens:
                 continue
+            if getattr(session.cache, "parked", None) is not None:
+                continue
             if any(isinstance(job, PrefillJob) for job, _ in self._queues[sid]):
                 continue
             due = [q for q in session.flash.values() if q.due(session.data_version, now)]
@@ -434,6 +549,13 @@ class Engine:
                 job.order = next(self._order)
                 self._flash[sid] = job
                 self.stats.flash_evaluations += 1
+
+    def _next_wakeup(self) -> float | None:
+        """Seconds until something timed is due: a flash interval or an admission deadline."""
+        waits = [w for w in (self._next_flash_due(),) if w is not None]
+        if self._admission:
+            waits.append(max(0.0, self._admission[0][0] - time.monotonic()) + 0.001)
+        return min(waits) if waits else None
 
     def _next_flash_due(self) -> float | None:
         """Seconds until a flash question waiting on its min interval becomes due (or None)."""
@@ -498,8 +620,12 @@ class Engine:
         queue = self._queues.get(job.session.id)
         if queue and queue[0][0] is job:
             queue.popleft()
-        if isinstance(job, QueryJob) and exc is None:
-            self.stats.queries += 1
+        if isinstance(job, QueryJob):
+            if exc is None:
+                self.stats.queries += 1
+            trim = getattr(job.session.cache, "trim", None)
+            if trim is not None and not job.session.closed:
+                trim()  # the fork's blocks go back to the pool
         if exc is not None:
             if not job.done:
                 job.abort()

@@ -67,18 +67,21 @@ class PrefillJob(Job):
     """Commit tokens to the session cache, at most `budget` per step (chunked prefill, so a
     long append never blocks other sessions' decoding for long)."""
 
-    def __init__(self, session: Session, tokens: list[int], text: str | None) -> None:
+    def __init__(self, session: Session, tokens: list[int], text: str | None, cache=None) -> None:
         super().__init__(session)
         self.tokens = tokens
         self.text = text  # None for the framing prefix, which is not an input
+        self.cache = session.cache if cache is None else cache  # or a shared prefix being filled
         self.pos = 0
-        self.start: int | None = None
+        self.start: int | None = 0 if cache is not None else None
         self.chunk = None
-        session.pending_tokens += len(tokens)
+        self.counted = cache is None  # a shared prefix fill does not add to the session's tokens
+        if self.counted:
+            session.pending_tokens += len(tokens)
 
     def begin(self) -> None:
         """Runs once, when the job first reaches the head of its session's queue."""
-        self.start = self.session.cache.length
+        self.start = self.cache.length
 
     def plan_one(self, budget: int) -> SeqStep | None:
         if self.start is None:
@@ -88,12 +91,13 @@ class PrefillJob(Job):
             self.finish()
             return None
         self._planned = n
-        return SeqStep(self.session.cache, self.start + self.pos, self.tokens[self.pos:self.pos + n])
+        return SeqStep(self.cache, self.start + self.pos, self.tokens[self.pos:self.pos + n])
 
     def complete_one(self, logits: torch.Tensor) -> None:
         self.pos += self._planned
-        self.session.cache.commit(self.start + self.pos)
-        self.session.pending_tokens -= self._planned
+        self.cache.commit(self.start + self.pos)
+        if self.counted:
+            self.session.pending_tokens -= self._planned
         self.session.last_logits = logits
         if self.pos >= len(self.tokens):
             self.finish()
@@ -104,7 +108,8 @@ class PrefillJob(Job):
         self.done = True
 
     def abort(self) -> None:
-        self.session.pending_tokens -= len(self.tokens) - self.pos
+        if self.counted:
+            self.session.pending_tokens -= len(self.tokens) - self.pos
 
     def result(self) -> AppendResult | None:
         if self.chunk is None:

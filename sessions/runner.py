@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamer.kernels import cache_attention, forked_attention
+from streamer.kernels import cache_attention, forked_attention, ranges_attention
 
 from .kvcache import KVCache, KVShape
 
@@ -56,30 +56,61 @@ class StepMetadata:
     seqs: list[SeqStep] = field(default_factory=list)
 
 
+FORK_SUFFIX_MAX = 128  # own tokens up to which forks of one group are batched together
+
+
+def _ranges(cache, length: int) -> list[tuple[object, int]]:
+    """A read-only `(cache, length)` as attention ranges: a paged cache's shared prefix, then
+    its own part."""
+    shared = getattr(cache, "prefix_len", 0)
+    if not shared:
+        return [(cache, length)]
+    out = [(cache.prefix, min(length, shared))]
+    if length > shared:
+        out.append((cache, length - shared))
+    return out
+
+
 def _session_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        streamer_meta: StepMetadata | None = None, **kwargs):
-    """transformers attention hook: query `[1, H, N, D]`, key/value `[1, Hkv, N, D]` (packed)."""
+    """transformers attention hook: query `[1, H, N, D]`, key/value `[1, Hkv, N, D]` (packed).
+
+    Each sequence's new K/V go to its own cache at explicit slots. A sequence that reads only
+    its own cache takes the plain path; one that also reads shared ranges (a session's shared
+    system-prompt blocks, a fork's session) is merged by log-sum-exp; short forks over the same
+    ranges are batched so each range is read once for all of them.
+    """
     if streamer_meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs `streamer_meta`; run through ModelRunner")
     layer = module.layer_idx
-    seqs = streamer_meta.seqs
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [N, H, D]
-    forks: dict[tuple, list[SeqStep]] = {}
-    for seq in seqs:
-        k_cache, v_cache = seq.cache.layer(layer)
+    forks: dict[tuple, list[tuple[SeqStep, int, list]]] = {}
+    for seq in streamer_meta.seqs:
+        cache = seq.cache
+        shared = getattr(cache, "prefix_len", 0)
+        own_start = seq.start - shared
+        k_cache, v_cache = cache.layer(layer)
         src = slice(seq.offset, seq.offset + seq.n)
-        k_cache[:, seq.start:seq.start + seq.n] = key[0, :, src]
-        v_cache[:, seq.start:seq.start + seq.n] = value[0, :, src]
-        if not seq.prefixes:
-            out[src] = cache_attention(query[0, :, src], k_cache, v_cache, seq.start, scaling)
+        k_cache[:, own_start:own_start + seq.n] = key[0, :, src]
+        v_cache[:, own_start:own_start + seq.n] = value[0, :, src]
+        ranges = [r for c, n in seq.prefixes for r in _ranges(c, n)]
+        if shared:
+            ranges.append((cache.prefix, shared))
+        q = query[0, :, src]
+        if not ranges:
+            out[src] = cache_attention(q, k_cache, v_cache, own_start, scaling)
+        elif own_start > FORK_SUFFIX_MAX:
+            out[src] = ranges_attention(q, [(*c.layer(layer), n) for c, n in ranges], k_cache, v_cache,
+                                        own_start, scaling)
         else:
-            forks.setdefault(tuple((id(c), n) for c, n in seq.prefixes), []).append(seq)
+            forks.setdefault(tuple((id(c), n) for c, n in ranges), []).append((seq, own_start, ranges))
     for group in forks.values():
+        ranges = group[0][2]
         results = forked_attention(
-            [query[0, :, s.offset:s.offset + s.n] for s in group],
-            [(*c.layer(layer), n) for c, n in group[0].prefixes],
-            [(*s.cache.layer(layer), s.start) for s in group], scaling)
-        for s, r in zip(group, results):
+            [query[0, :, s.offset:s.offset + s.n] for s, _, _ in group],
+            [(*c.layer(layer), n) for c, n in ranges],
+            [(*s.cache.layer(layer), own_start) for s, own_start, _ in group], scaling)
+        for (s, _, _), r in zip(group, results):
             out[s.offset:s.offset + s.n] = r
     return out.unsqueeze(0), None
 

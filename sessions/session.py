@@ -47,14 +47,21 @@ class Session:
     """State of one session. Only the engine thread mutates it."""
 
     def __init__(self, session_id: str, runner: ModelRunner, system_prompt: str | None = None,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, pool=None, share_prefix: bool = True) -> None:
         self.id = session_id
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.framing = Framing.for_tokenizer(self.tokenizer, system_prompt)
         self.system_prompt = system_prompt
-        self.cache: KVCache = runner.new_cache(max_tokens)
         self.prefix_ids = self.tokenize(self.framing.prefix)
+        if pool is None:  # a private cache (tests, tools)
+            self.cache: KVCache = runner.new_cache(max_tokens)
+        else:  # blocks of the engine's pool; the system prompt's full blocks shared
+            from .pool import PagedCache
+
+            shared = pool.prefix_for(self.prefix_ids) if share_prefix else None
+            self.cache = PagedCache(pool, max_tokens or runner.context_window, shared)
+        self.last_active = time.monotonic()
         self.chunks: list[Chunk] = []
         self.data_version = 0
         self.next_seq = 1
@@ -140,6 +147,8 @@ class Session:
             "prefix_tokens": len(self.prefix_ids),
             "context_window": self.context_window,
             "cache_bytes": self.cache.nbytes,
+            "shared_prefix_tokens": getattr(self.cache, "prefix_len", 0),
+            "parked": getattr(self.cache, "parked", None) is not None,
             "kv_bytes_per_token": self.cache.shape.bytes_per_token,
             "inputs": len(self.chunks),
             "last_seq": self.chunks[-1].seq if self.chunks else 0,

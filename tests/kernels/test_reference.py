@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from streamer.kernels import cache_attention, causal_offset_mask, forked_attention, merge_partials
+from streamer.kernels import cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention
 
 
 def naive(query, k, v, start, scaling):
@@ -91,3 +91,17 @@ def test_two_shared_ranges_equal_attention_over_the_concatenation(lengths):
     full_k = torch.cat([rk[:, :n] for rk, _, n in ranges] + [k[:, :5]], dim=1)
     full_v = torch.cat([rv[:, :n] for _, rv, n in ranges] + [v[:, :5]], dim=1)
     torch.testing.assert_close(got, naive(q, full_k, full_v, sum(lengths) + 2, dim ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared,own_start,n", [(0, 0, 1), (16, 0, 5), (16, 40, 1), (32, 40, 7), (0, 9, 3)])
+def test_ranges_attention_equals_attention_over_the_concatenation(shared, own_start, n):
+    """A session whose cache starts with a shared system-prompt prefix."""
+    torch.manual_seed(shared + own_start + n)
+    kv_heads, group, dim = 3, 3, 16
+    pk, pv = torch.randn(kv_heads, shared + 3, dim), torch.randn(kv_heads, shared + 3, dim)
+    k, v = torch.randn(kv_heads, own_start + n + 4, dim), torch.randn(kv_heads, own_start + n + 4, dim)
+    q = torch.randn(kv_heads * group, n, dim)
+    got = ranges_attention(q, [(pk, pv, shared)], k, v, own_start, dim ** -0.5)
+    full_k = torch.cat([pk[:, :shared], k[:, :own_start + n]], dim=1)
+    full_v = torch.cat([pv[:, :shared], v[:, :own_start + n]], dim=1)
+    torch.testing.assert_close(got, naive(q, full_k, full_v, shared + own_start, dim ** -0.5), atol=1e-5, rtol=1e-5)
