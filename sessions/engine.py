@@ -22,7 +22,7 @@ from .errors import (EngineError, EngineStopped, InputEnded, InvalidRequest, Ses
                      SessionNotFound)
 from .pool import BlockPool, OutOfBlocks, default_budget_bytes
 from .flash import FlashJob, FlashQuestion, normalize, validate_registration
-from .jobs import Job, PrefillJob, QueryJob, QueryResult, ReviseJob
+from .jobs import Job, PrefillJob, Priority, QueryJob, QueryResult, ReviseJob
 from .runner import ModelRunner, SeqStep
 from .sampling import SamplingParams, stop_token_ids
 from .session import Session
@@ -36,6 +36,7 @@ class EngineLimits:
     """Engine-side limits; the server lists them with the protocol limits."""
 
     step_tokens: int = 512  # token budget of one forward (chunked prefill size)
+    query_step_tokens: int = 64  # budget while a question is running: keeps its decode steps short
     max_sessions: int = 64
     max_question_tokens: int = 1024
     max_answer_tokens: int = 1024
@@ -48,6 +49,7 @@ class EngineLimits:
     admission_timeout_s: float = 30.0  # how long a queued session may wait for memory
     park_idle_s: float = 1.0  # a session idle this long may be parked to free blocks
     park_to_disk: bool = False  # park to files under the cache directory instead of host memory
+    aging_s: float = 2.0  # a job waiting this long is scheduled one priority class higher (no starvation)
 
 
 @dataclass(slots=True)
@@ -381,6 +383,24 @@ class Engine:
     def session_state(self, session_id: str) -> Future:
         return self._call(lambda: self._live(session_id).state())
 
+    def metrics(self) -> dict:
+        """Counters and gauges for /metrics (read from other threads: values may be a step old)."""
+        queues: dict[str, int] = {}
+        for queue in list(self._queues.values()):
+            for job, _ in list(queue):
+                name = job.priority.name.lower()
+                queues[name] = queues.get(name, 0) + 1
+        queues["flash"] = queues.get("flash", 0) + len(self._flash)
+        queues["thinking"] = queues.get("thinking", 0) + len(self._think)
+        queues["admission"] = len(self._admission)
+        sessions = {sid: (s.cache.length, s.cache.nbytes) for sid, s in list(self.sessions.items())}
+        parked = sum(1 for s in list(self.sessions.values()) if getattr(s.cache, "parked", None) is not None)
+        stale = [s.data_version - q.answer.data_version for s in list(self.sessions.values())
+                 for q in list(s.flash.values()) if q.answer is not None]
+        return {"stats": self.snapshot_stats(), "pool": self.pool.stats(), "queues": queues,
+                "sessions": sessions, "parked": parked, "flash_staleness_versions_max": max(stale, default=0),
+                "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token}
+
     def snapshot_stats(self) -> dict:
         s = self.stats
         return {"sessions": len(self.sessions), "steps": s.steps, "step_tokens": s.step_tokens,
@@ -389,6 +409,8 @@ class Engine:
                 "queries": s.queries, "queries_cached": s.queries_cached, "sessions_created": s.sessions_created,
                 "flash_evaluations": s.flash_evaluations, "flash_questions_evaluated": s.flash_questions_evaluated,
                 "flash_pushed": s.flash_pushed, "flash_cancelled": s.flash_cancelled,
+                "parked": s.parked, "restored": s.restored, "admissions_queued": s.admissions_queued,
+                "admissions_refused": s.admissions_refused,
                 "queued_jobs": sum(len(q) for q in list(self._queues.values()))}
 
     # ---- engine thread ---------------------------------------------------------------------
@@ -436,8 +458,13 @@ class Engine:
         candidates = [q[0] for q in self._queues.values() if q]
         candidates += [(job, None) for job in self._flash.values()]
         candidates += [(job, None) for job in self._think.values()]
-        candidates.sort(key=lambda jf: (jf[0].priority, jf[0].order))
+        now = time.monotonic()
+        candidates.sort(key=lambda jf: self._rank(jf[0], now))
         budget = self.limits.step_tokens
+        if any(job.priority <= Priority.ACTION for job, _ in candidates):
+            # Someone waits on each of these steps: pack only a little prefill with them.
+            budget = min(budget, max(self.limits.query_step_tokens,
+                                     sum(_need(job) for job, _ in candidates if job.priority <= Priority.ACTION)))
         batch = []
         for job, fut in candidates:
             if budget <= 0:
@@ -460,6 +487,11 @@ class Engine:
                 if budget <= 0 or not _finishes(job, steps):
                     break
         return batch
+
+    def _rank(self, job: Job, now: float) -> tuple[float, int]:
+        """Priority class, raised one class per `aging_s` waited (so low classes are never
+        starved by a stream of high ones), then arrival order."""
+        return job.priority - (now - job.submitted_at) // self.limits.aging_s, job.order
 
     def _resident(self, session: Session) -> None:
         """Bring a parked session back into the pool before its work runs."""
@@ -648,6 +680,13 @@ def _thinking_config(settings: dict) -> ThinkingConfig:
         return ThinkingConfig(**settings)
     except TypeError as exc:
         raise InvalidRequest(f"bad thinking settings: {exc}") from None
+
+
+def _need(job: Job) -> int:
+    """Tokens a question wants in the next step: its whole question, or one to decode."""
+    if isinstance(job, QueryJob):
+        return max(1, len(job.question_ids) - job.fed) if job.fed < len(job.question_ids) else 1
+    return 1
 
 
 def _finishes(job: Job, steps: list[SeqStep]) -> bool:

@@ -21,6 +21,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", type=int, default=512,
                         help="token budget of one model step, i.e. the chunked-prefill size (default: %(default)s)")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at once (default: %(default)s)")
+    parser.add_argument("--kv-budget-mb", type=int, default=None,
+                        help="KV pool size in MiB (default: half the memory available at start)")
+    parser.add_argument("--admission", choices=["refuse", "queue"], default="refuse",
+                        help="when the KV pool is full, refuse new sessions or queue them (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from streamer.sessions.engine import EngineLimits
     from streamer.sessions.models import ModelLoadError
 
-    limits = EngineLimits(step_tokens=args.step_tokens, max_sessions=args.max_sessions)
+    limits = EngineLimits(step_tokens=args.step_tokens, max_sessions=args.max_sessions, admission=args.admission,
+                          kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None)
     try:
         if args.command == "serve":
             return _serve(args, limits)

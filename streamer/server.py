@@ -27,6 +27,7 @@ from streamer.sessions.engine import Engine
 from streamer.sessions.errors import EngineError
 from streamer.sessions.sampling import SamplingParams
 
+from .metrics import render as render_metrics
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
 
 log = logging.getLogger(__name__)
@@ -409,9 +410,14 @@ class StreamerServer:
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
             return _json_response(HTTPStatus.OK, self.health())
+        if path == "/metrics":
+            body = render_metrics(self.engine.metrics(), len(self.connections)).encode()
+            headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
+                               ("Connection", "close")])
+            return Response(HTTPStatus.OK.value, "OK", headers, body)
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return None
-        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz or a websocket"})
+        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics or a websocket"})
 
 
 def _json_response(status: HTTPStatus, body: dict) -> Response:

@@ -127,3 +127,18 @@ def test_a_backlog_of_appends_is_prefilled_in_few_steps_and_stays_exact(tiny, en
     assert (session.last_logits - full).abs().max().item() <= 1e-4
     spans = [(c.start, c.end) for c in session.chunks]
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_waiting_jobs_age_into_higher_classes(tiny, engine_factory):
+    from streamer.sessions.jobs import PrefillJob, QueryJob
+
+    engine = engine_factory(tiny[0], aging_s=2.0)
+    sid = engine.create_session().result()["session_id"]
+    session = engine.sessions[sid]
+    ingest = PrefillJob(session, [1, 2], "x")
+    query = QueryJob(session, "q", "Q?", SamplingParams(), frozenset())
+    ingest.order, query.order = 1, 2
+    now = ingest.submitted_at
+    assert engine._rank(query, now) < engine._rank(ingest, now)  # a fresh question goes first
+    assert engine._rank(ingest, now + 4.5) < engine._rank(query, now)  # ingest waiting 4.5 s overtakes it
+    ingest.abort()

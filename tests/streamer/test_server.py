@@ -259,3 +259,27 @@ def test_client_sdk_many_sessions_concurrently(tiny_engine):
         assert len(answers) == 4
 
     serve(tiny_engine, test)
+
+
+def test_metrics_endpoint(tiny_engine):
+    async def test(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        await peer.still_serving(sid)
+        base = url.replace("ws://", "http://")
+        response = await asyncio.to_thread(urllib.request.urlopen, base + "/metrics")
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+        samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                   if line and not line.startswith("#")}
+        assert samples["streamer_sessions"] >= 1 and samples["streamer_connections"] >= 1
+        assert samples["streamer_steps_total"] > 0 and samples["streamer_queries_total"] >= 1
+        assert samples["streamer_pool_used_bytes"] > 0 and samples["streamer_pool_budget_bytes"] > 0
+        assert samples[f'streamer_session_cache_tokens{{session="{sid}"}}'] > 0
+        assert 'streamer_queue_depth{class="admission"}' in samples
+        for line in text.splitlines():  # every sample line has a HELP and TYPE above it
+            if line and not line.startswith("#"):
+                name = line.split("{")[0].split(" ")[0]
+                assert f"# TYPE {name} " in text
+
+    serve(tiny_engine, test)

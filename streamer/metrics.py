@@ -1,0 +1,65 @@
+"""Prometheus text exposition of the engine's metrics (served at GET /metrics)."""
+
+from __future__ import annotations
+
+COUNTERS = {
+    "steps": "Model steps run",
+    "step_tokens": "Tokens run in model steps",
+    "step_sequences": "Sequences run in model steps (more than steps when steps are packed)",
+    "step_seconds": "Seconds spent in model steps",
+    "tokens_ingested": "Input tokens prefilled into session caches",
+    "queries": "Questions answered by the model",
+    "queries_cached": "Questions answered from a current flash answer",
+    "sessions_created": "Sessions created",
+    "flash_evaluations": "Batched flash evaluations",
+    "flash_questions_evaluated": "Flash questions evaluated",
+    "flash_pushed": "flash.updated events pushed",
+    "flash_cancelled": "Flash evaluations cancelled by a revise",
+    "parked": "Sessions parked out of the KV pool",
+    "restored": "Parked sessions brought back",
+    "admissions_queued": "New sessions queued for KV memory",
+    "admissions_refused": "New sessions refused for KV memory",
+}
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render(metrics: dict, connections: int) -> str:
+    """The metrics as Prometheus text format 0.0.4."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
+        lines.append(f"# HELP streamer_{name} {help_text}")
+        lines.append(f"# TYPE streamer_{name} {kind}")
+        for labels, value in samples:
+            label = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+            lines.append(f"streamer_{name}{{{label}}} {value}" if label else f"streamer_{name} {value}")
+
+    stats, pool = metrics["stats"], metrics["pool"]
+    for key, help_text in COUNTERS.items():
+        metric(f"{key}_total", "counter", help_text, [({}, stats[key])])
+    metric("sessions", "gauge", "Live sessions", [({}, stats["sessions"])])
+    metric("sessions_parked", "gauge", "Sessions parked out of the KV pool", [({}, metrics["parked"])])
+    metric("connections", "gauge", "Open websocket connections", [({}, connections)])
+    metric("queue_depth", "gauge", "Jobs waiting or running, by class",
+           [({"class": k}, v) for k, v in sorted(metrics["queues"].items())])
+    metric("pool_blocks", "gauge", "KV pool blocks", [({}, pool["blocks"])])
+    metric("pool_free_blocks", "gauge", "Free KV pool blocks", [({}, pool["free_blocks"])])
+    metric("pool_used_bytes", "gauge", "KV pool bytes in use", [({}, pool["used_bytes"])])
+    metric("pool_budget_bytes", "gauge", "KV pool budget in bytes", [({}, pool["budget_bytes"])])
+    metric("pool_shared_prefixes", "gauge", "Shared system-prompt prefixes", [({}, pool["shared_prefixes"])])
+    metric("pool_compactions_total", "counter", "KV pool compactions", [({}, pool["compactions"])])
+    metric("kv_bytes_per_token", "gauge", "Physical KV bytes per token", [({}, metrics["kv_bytes_per_token"])])
+    steps = stats["steps"] or 1
+    metric("step_seconds_mean", "gauge", "Mean seconds per model step", [({}, stats["step_seconds"] / steps)])
+    metric("step_tokens_mean", "gauge", "Mean tokens per model step", [({}, stats["step_tokens"] / steps)])
+    metric("flash_staleness_versions", "gauge", "Largest number of data versions a flash answer is behind",
+           [({}, metrics["flash_staleness_versions_max"])])
+    sessions = metrics["sessions"]
+    metric("session_cache_tokens", "gauge", "Tokens in a session's reading cache",
+           [({"session": sid}, tokens) for sid, (tokens, _) in sorted(sessions.items())])
+    metric("session_cache_bytes", "gauge", "Pool bytes a session holds on its own",
+           [({"session": sid}, nbytes) for sid, (_, nbytes) in sorted(sessions.items())])
+    return "\n".join(lines) + "\n"
