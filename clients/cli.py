@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--thinking", choices=["off", "interleaved", "dual"], default=None,
                         help="think while reading; notes are printed as they are written")
     stream.add_argument("--json", action="store_true", help="print one JSON object per event instead of text")
+    from .robot import add_arguments as robot_arguments
+
+    robot = sub.add_parser("robot", help="a simulated robot that follows a target with the session's action policy "
+                                         "(needs an MQTT broker and `streamer serve --mqtt`)")
+    robot_arguments(robot)
     ask = sub.add_parser("ask", help="create a session from a file (or nothing) and ask one question")
     ask.add_argument("question")
     ask.add_argument("--url", default="ws://127.0.0.1:8765")
@@ -151,6 +156,10 @@ async def ask_once(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.client_command == "robot":
+        from .robot import run as run_robot
+
+        return run_robot(args)
     command = {"stream": stream_file, "ask": ask_once}[args.client_command]
     try:
         return asyncio.run(command(args))

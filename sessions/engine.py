@@ -25,8 +25,10 @@ from .flash import FlashJob, FlashQuestion, normalize, validate_registration
 from .jobs import Job, PrefillJob, Priority, QueryJob, QueryResult, ReviseJob
 from .runner import ModelRunner, SeqStep
 from .sampling import SamplingParams, stop_token_ids
-from .session import Session
-from .thinking import ThinkingConfig, ThinkJob, configure, due
+from .session import Session, json_object
+from .actions import POLICIES, ActionLoop, AsyncController, FlashRule
+from .thinking import ThinkingConfig, ThinkJob, configure
+from .thinking import due as thinking_due
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +364,93 @@ class Engine:
 
         return self._call(remove)
 
+    def add_rule(self, session_id: str, flash_id: str, pattern: str, command: dict, debounce_s: float = 0.0,
+                 rule_id: str | None = None) -> Future:
+        """When flash question `flash_id`'s answer changes to match `pattern`, the session's
+        listeners get an `action.command` event with `command`, once per change."""
+
+        def add():
+            session = self._live(session_id)
+            if flash_id not in session.flash:
+                raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code="flash_not_found")
+            rid = rule_id or f"r{len(session.rules) + 1}"
+            if rid in session.rules:
+                raise InvalidRequest(f"rule id {rid!r} is already in use")
+            if len(session.rules) >= self.limits.max_flash_per_session:
+                raise EngineError(f"session {session_id} already has {len(session.rules)} rules (the limit)",
+                                  code="rule_limit")
+            rule = FlashRule(rid, flash_id, pattern, command, debounce_s)
+            answer = session.flash[flash_id].answer
+            if answer is not None:  # a rule starts from the present answer: only changes fire
+                rule.matched = bool(rule.regex.search(normalize(answer.text)))
+            session.rules[rid] = rule
+            return {"rule_id": rid, "flash_id": flash_id, "pattern": pattern, "matched": rule.matched}
+
+        return self._call(add)
+
+    def remove_rule(self, session_id: str, rule_id: str) -> Future:
+        def remove():
+            session = self._live(session_id)
+            if session.rules.pop(rule_id, None) is None:
+                raise EngineError(f"no rule {rule_id!r} on session {session_id}", code="rule_not_found")
+            return {"rule_id": rule_id}
+
+        return self._call(remove)
+
+    def start_actions(self, session_id: str, policy: str = "tracker", mode: str = "async_rollforward",
+                      dt: float = 0.05, **options) -> Future:
+        """Run an action policy for the session in its own thread; chunks go to the session's
+        listeners as `action.chunk`. JSON inputs are its observations; robot state comes
+        through `robot_state`."""
+
+        def start():
+            session = self._live(session_id)
+            if session.actions is not None:
+                raise InvalidRequest(f"session {session_id} already runs an action policy")
+            factory = POLICIES.get(policy)
+            if factory is None:
+                raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
+            if not 0.001 <= dt <= 10:
+                raise InvalidRequest(f"dt must be in [0.001, 10] seconds, got {dt}")
+            try:
+                instance = factory(dt=dt, **options)
+            except TypeError as exc:
+                raise InvalidRequest(f"bad options for policy {policy!r}: {exc}") from None
+            latency = getattr(instance, "latency_s", (0.0, 0.0))
+            controller = AsyncController(instance, dt, mode, expected_latency_s=max(latency) or dt)
+            loop = ActionLoop(session_id, controller, lambda chunk: session.notify("action.chunk", chunk.public()))
+            for chunk in reversed(session.chunks):  # the newest observation already in the log
+                observation = json_object(chunk.text)
+                if observation is not None:
+                    loop.observe(observation, chunk.ts)
+                    break
+            session.actions = loop.start()
+            return session.state()["actions"]
+
+        return self._call(start)
+
+    def stop_actions(self, session_id: str) -> Future:
+        def stop():
+            session = self._live(session_id)
+            if session.actions is None:
+                raise InvalidRequest(f"session {session_id} runs no action policy")
+            loop, session.actions = session.actions, None
+            loop.stop()
+            return {"last_seq": loop.controller.seq}
+
+        return self._call(stop)
+
+    def robot_state(self, session_id: str, state: list[float], ts: float | None = None) -> None:
+        """Thread-safe and immediate (robot state arrives at control rate): raises
+        SessionNotFound, InvalidRequest (no policy running, or a malformed state)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        loop = session.actions
+        if loop is None:
+            raise InvalidRequest(f"session {session_id} runs no action policy", code="invalid_robot_state")
+        loop.robot_state(state, time.time() if ts is None else ts)
+
     def close_session(self, session_id: str) -> Future:
         def close():
             session = self._live(session_id)
@@ -370,6 +459,9 @@ class Engine:
                 job.abort()
                 fut.set_exception(SessionClosed(f"session {session_id} was closed"))
             del self.sessions[session_id]
+            if session.actions is not None:
+                session.actions.stop()
+                session.actions = None
             self._flash.pop(session_id, None)
             self._think.pop(session_id, None)
             session.cache.release()
@@ -441,13 +533,30 @@ class Engine:
                 self._retry_admissions()
             if self._stopping:
                 break
-            batch = self._schedule()
-            if batch:
-                self._execute(batch)
-            elif not self._control:
+            try:
+                batch = self._schedule()
+                if batch:
+                    self._execute(batch)
+            except Exception:  # a bug in scheduling must not kill the engine: drop that work
+                log.exception("engine step failed; failing the jobs at the heads of the queues")
+                self._fail_heads()
+                continue
+            if not batch and not self._control:
                 self._wake.wait(self._next_wakeup())
                 self._wake.clear()
         self._fail_all(EngineStopped())
+
+    def _fail_heads(self) -> None:
+        error = EngineError("internal error in the engine step; the request was dropped", code="internal_error")
+        for queue in self._queues.values():
+            if queue:
+                job, fut = queue.popleft()
+                if not job.done:
+                    job.abort()
+                if not fut.done():
+                    fut.set_exception(error)
+        self._flash.clear()
+        self._think.clear()
 
     def _schedule(self) -> list[tuple[Job, Future | None, list[SeqStep]]]:
         """The whole policy: the head job of each session's queue plus each session's flash
@@ -552,7 +661,7 @@ class Engine:
         reading the notes, since a unit may drop old ones; interleaved units write the reading
         cache, so they queue behind the session's other work."""
         for sid, session in self.sessions.items():
-            if sid in self._think or getattr(session.cache, "parked", None) is not None or not due(session):
+            if sid in self._think or getattr(session.cache, "parked", None) is not None or not thinking_due(session):
                 continue
             queue = self._queues[sid]
             if session.thinking.config.mode == "dual":
@@ -571,8 +680,8 @@ class Engine:
         for sid, session in self.sessions.items():
             if sid in self._flash or not session.flash or session.pending_tokens:
                 continue
-            if getattr(session.cache, "parked", None) is not None:
-                continue
+            if getattr(session.cache, "parked", None) is not None or sid in self._think or thinking_due(session):
+                continue  # reasoning (a higher class) first: a unit may drop notes a flash fork would read
             if any(isinstance(job, PrefillJob) for job, _ in self._queues[sid]):
                 continue
             due = [q for q in session.flash.values() if q.due(session.data_version, now)]
@@ -618,6 +727,15 @@ class Engine:
             if q.observe(answer):
                 self.stats.flash_pushed += 1
                 session.notify("flash.updated", {"flash_id": q.flash_id, "question": q.question, **answer.public()})
+                self._fire_rules(session, q.flash_id, answer)
+
+    def _fire_rules(self, session: Session, flash_id: str, answer) -> None:
+        now = time.monotonic()
+        for rule in list(session.rules.values()):
+            if rule.flash_id == flash_id and rule.observe(normalize(answer.text), now):
+                session.notify("action.command", {"rule_id": rule.rule_id, "flash_id": flash_id, "command": rule.command,
+                                                  "answer": answer.text, "data_version": answer.data_version,
+                                                  "fired": rule.fired})
 
     def _cached_answer(self, session: Session, question: str, params: SamplingParams,
                        query_id: str | None) -> QueryResult | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,18 @@ class AppendResult:
     replaced_seqs: list[int] = field(default_factory=list)
 
 
+def json_object(text: str) -> dict | None:
+    """The input as a JSON object, if it is one (observations for action policies)."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 class Session:
     """State of one session. Only the engine thread mutates it."""
 
@@ -77,6 +90,8 @@ class Session:
         self.next_flash_id = 1
         self.listeners: list = []  # callables (event_type, payload) on the engine thread
         self.thinking = None  # ThinkingState, when a thinking mode is set
+        self.rules: dict = {}  # rule_id -> FlashRule
+        self.actions = None  # ActionLoop, when a policy runs
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 
     @property
@@ -117,6 +132,10 @@ class Session:
         self.chunks.append(chunk)
         self.data_version += 1
         self.last_input_at = chunk.ts
+        if self.actions is not None:  # JSON inputs are observations for the action policy
+            observation = json_object(text)
+            if observation is not None:
+                self.actions.observe(observation, chunk.ts)
         return chunk
 
     def record_reasoning(self, start: int, tokens: list[int], text: str) -> None:
@@ -159,6 +178,10 @@ class Session:
             "queries_answered": self.queries_answered,
             "flash": [q.state(self.data_version) for q in self.flash.values()],
             "thinking": self.thinking.public() if self.thinking is not None else {"mode": "off"},
+            "rules": [{"rule_id": r.rule_id, "flash_id": r.flash_id, "pattern": r.pattern, "fired": r.fired}
+                      for r in self.rules.values()],
+            "actions": {"running": True, "mode": self.actions.controller.mode, "last_seq": self.actions.controller.seq,
+                        "errors": self.actions.errors} if self.actions is not None else {"running": False},
         }
 
     def notify(self, event: str, payload: dict) -> None:

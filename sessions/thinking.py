@@ -186,8 +186,6 @@ class ThinkJob(Job):
         self.unit = Unit(len(state.units) + state.dropped_units, (first, last), visible, start, start,
                          final=self.final, started_at=time.monotonic())
         state.seen_tokens, state.seen_seq = visible, last
-        if self.final:
-            state.final_done = True
 
     def _make_room(self, need: int) -> None:
         """Dual: drop the oldest units (never the first, which holds the header) until `need`
@@ -284,6 +282,8 @@ class ThinkJob(Job):
         unit, state = self.unit, self.state
         unit.done_at = time.monotonic()
         unit.end = (state.cache if self.dual else self.session.cache).length
+        if self.final:
+            state.final_done = True
         if not self.dual:
             self.session.record_reasoning(unit.start, self.fed, unit.text)
         state.units.append(unit)

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the websocket service")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8765, help="port; 0 picks a free one (default: %(default)s)")
+    serve.add_argument("--mqtt", default=None, metavar="URL",
+                       help="publish session events to this MQTT broker (mqtt://host:port) and take robot state from it")
+    serve.add_argument("--mqtt-prefix", default="streamer", help="MQTT topic prefix (default: %(default)s)")
     _model_args(serve)
 
     demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
@@ -84,7 +87,8 @@ def _serve(args: argparse.Namespace, limits) -> int:
 
     engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
     try:
-        asyncio.run(run_server(engine, ServerConfig(host=args.host, port=args.port),
+        asyncio.run(run_server(engine, ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt,
+                                                    mqtt_prefix=args.mqtt_prefix),
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
     finally:
         engine.stop()

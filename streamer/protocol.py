@@ -127,6 +127,17 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "flash.unregister": {"session_id": _SID, "flash_id": _Field("id", required=True)},
     "subscribe": {"session_id": _SID, "token": _Field("id", required=True)},
     "unsubscribe": {"session_id": _SID},
+    "action.rule": {"session_id": _SID, "flash_id": _Field("id", required=True),
+                    "pattern": _Field("str", True, limit="max_question_chars"),
+                    "command": _Field("anyobject", required=True), "debounce_ms": _Field("int", lo=0, hi=86_400_000),
+                    "rule_id": _Field("id")},
+    "action.rule.remove": {"session_id": _SID, "rule_id": _Field("id", required=True)},
+    "action.start": {"session_id": _SID, "policy": _Field("id"), "mode": _Field("id"),
+                     "dt_ms": _Field("int", lo=1, hi=10_000), "horizon": _Field("int", lo=1, hi=1000),
+                     "latency_ms": _Field("numlist"), "gain": _Field("float", lo=0.0, hi=1000.0),
+                     "max_speed": _Field("float", lo=0.0, hi=1e6)},
+    "action.stop": {"session_id": _SID},
+    "robot.state": {"session_id": _SID, "state": _Field("numlist", required=True), "ts": _Field("float", lo=0.0)},
 }
 
 
@@ -229,6 +240,15 @@ class ServerProtocol:
         elif spec.kind == "bool":
             if not isinstance(value, bool):
                 bad = "true or false"
+        elif spec.kind == "anyobject":
+            if not isinstance(value, dict):
+                bad = "a JSON object"
+        elif spec.kind == "numlist":
+            if (not isinstance(value, list) or len(value) > 64
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in value)):
+                bad = "a list of at most 64 finite numbers"
+            else:
+                value = [float(v) for v in value]
         elif spec.kind == "object":
             if not isinstance(value, dict):
                 bad = "an object"

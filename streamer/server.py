@@ -44,6 +44,8 @@ class ServerConfig:
     max_outbox: int = 10_000  # queued outbound events before a slow reader is dropped
     ping_interval: float | None = 20.0
     ping_timeout: float | None = 20.0
+    mqtt_url: str | None = None  # e.g. mqtt://127.0.0.1:1883: publish session events there
+    mqtt_prefix: str = "streamer"
 
 
 class InvalidText:
@@ -91,6 +93,9 @@ class Connection:
             "flash.register": self.on_flash_register, "flash.unregister": self.on_flash_unregister,
             "subscribe": self.on_subscribe, "unsubscribe": self.on_unsubscribe,
             "session.update": self.on_session_update,
+            "action.rule": self.on_action_rule, "action.rule.remove": self.on_action_rule_remove,
+            "action.start": self.on_action_start, "action.stop": self.on_action_stop,
+            "robot.state": self.on_robot_state,
         }
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -171,6 +176,8 @@ class Connection:
             self.engine.remove_listener(sid, listener)
         self.subscriptions.clear()
         for sid in self.sessions:
+            if self.server.mqtt is not None:
+                self.server.mqtt.detach(sid)
             self.engine.close_session(sid)
             self.server.subscribe_tokens.pop(sid, None)
         self.sessions.clear()
@@ -180,7 +187,8 @@ class Connection:
         engine thread; the event is built and queued on the loop)."""
 
         def forward(event: str, payload: dict) -> None:
-            self.loop.call_soon_threadsafe(lambda: self.send(self.proto.event(event, session_id=sid, **payload)))
+            if event in PUBLIC_EVENTS:
+                self.loop.call_soon_threadsafe(lambda: self.send(self.proto.event(event, session_id=sid, **payload)))
 
         return forward
 
@@ -196,6 +204,8 @@ class Connection:
             self.listeners[sid] = self.listener(sid)
             self.engine.add_listener(sid, self.listeners[sid])
             token = self.server.subscribe_tokens[sid] = secrets.token_urlsafe(24)
+            if self.server.mqtt is not None:
+                self.server.mqtt.attach(sid)
             return self.proto.event("session.created", reply_to=cmd.event_id, session_id=sid,
                                     model=self.engine.runner.name, subscribe_token=token, session=state)
 
@@ -217,6 +227,8 @@ class Connection:
             self.sessions.discard(cmd.session_id)
             self.listeners.pop(cmd.session_id, None)
             self.server.subscribe_tokens.pop(cmd.session_id, None)
+            if self.server.mqtt is not None:
+                self.server.mqtt.detach(cmd.session_id)
             self.reply(cmd, self.engine.close_session(cmd.session_id),
                        lambda st: self.proto.event("session.closed", reply_to=cmd.event_id,
                                                    session_id=cmd.session_id, session=st))
@@ -326,6 +338,55 @@ class Connection:
                    lambda _: self.proto.event("unsubscribed", reply_to=cmd.event_id, session_id=cmd.session_id))
 
 
+    def on_action_rule(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            f = cmd.fields
+            fut = self.engine.add_rule(cmd.session_id, f["flash_id"], f["pattern"], f["command"],
+                                       f.get("debounce_ms", 0) / 1000, f.get("rule_id"))
+            self.reply(cmd, fut, lambda r: self.proto.event("action.rule.added", reply_to=cmd.event_id,
+                                                            session_id=cmd.session_id, rule=r))
+
+    def on_action_rule_remove(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            self.reply(cmd, self.engine.remove_rule(cmd.session_id, cmd["rule_id"]),
+                       lambda r: self.proto.event("action.rule.removed", reply_to=cmd.event_id,
+                                                  session_id=cmd.session_id, rule_id=r["rule_id"]))
+
+    def on_action_start(self, cmd: Command) -> None:
+        if not self.owned(cmd):
+            return
+        f = dict(cmd.fields)
+        options = {k: f[k] for k in ("horizon", "gain", "max_speed") if k in f}
+        if "latency_ms" in f:
+            if len(f["latency_ms"]) != 2 or not 0 <= f["latency_ms"][0] <= f["latency_ms"][1] <= 60_000:
+                self.refuse(cmd, "invalid_field", "latency_ms must be [min, max] with 0 <= min <= max <= 60000")
+                return
+            options["latency_s"] = (f["latency_ms"][0] / 1000, f["latency_ms"][1] / 1000)
+        fut = self.engine.start_actions(cmd.session_id, f.get("policy", "tracker"), f.get("mode", "async_rollforward"),
+                                        f.get("dt_ms", 50) / 1000, **options)
+        self.reply(cmd, fut, lambda st: self.proto.event("action.started", reply_to=cmd.event_id,
+                                                         session_id=cmd.session_id, actions=st))
+
+    def on_action_stop(self, cmd: Command) -> None:
+        if self.owned(cmd):
+            self.reply(cmd, self.engine.stop_actions(cmd.session_id),
+                       lambda r: self.proto.event("action.stopped", reply_to=cmd.event_id,
+                                                  session_id=cmd.session_id, **r))
+
+    def on_robot_state(self, cmd: Command) -> None:
+        """Robot state comes from the producer at control rate: no reply unless it is refused."""
+        if not self.owned(cmd):
+            return
+        try:
+            self.engine.robot_state(cmd.session_id, cmd["state"], cmd["ts"])
+        except EngineError as exc:
+            self.refuse(cmd, exc.code, exc.message)
+
+
+# Session events a connection forwards to its producer and subscribers.
+PUBLIC_EVENTS = frozenset({"flash.updated", "reasoning.delta", "reasoning.done", "action.chunk", "action.command"})
+
+
 def _flash_args(fields: dict) -> dict:
     """Protocol field names -> Engine.register_flash keyword arguments."""
     args = {k: v for k, v in fields.items() if k in ("question", "flash_id", "max_tokens", "priority", "confirm")}
@@ -362,6 +423,7 @@ class StreamerServer:
         self.connections: set[Connection] = set()
         self.query_ids = iter(range(1, 1 << 62))
         self.subscribe_tokens: dict[str, str] = {}  # session id -> token for read-only subscribers
+        self.mqtt = None  # MqttBridge when config.mqtt_url is set
         self._server: Server | None = None
 
     @property
@@ -372,6 +434,10 @@ class StreamerServer:
 
     async def start(self) -> "StreamerServer":
         cfg = self.config
+        if cfg.mqtt_url:
+            from .mqtt import MqttBridge
+
+            self.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix).start()
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
             create_connection=LenientConnection,
@@ -383,6 +449,8 @@ class StreamerServer:
         if self._server is not None:
             self._server.close(close_connections=True)
             await self._server.wait_closed()
+        if self.mqtt is not None:
+            await self.mqtt.stop()
 
     async def serve_forever(self) -> None:
         await self._server.serve_forever()

@@ -45,6 +45,13 @@ FULL = {
     "flash.unregister": {"session_id": "s-1", "flash_id": "f-1"},
     "subscribe": {"session_id": "s-1", "token": "tok-1"},
     "unsubscribe": {"session_id": "s-1"},
+    "action.rule": {"session_id": "s-1", "flash_id": "f-1", "pattern": "^yes", "command": {"do": "stop"},
+                    "debounce_ms": 100, "rule_id": "r-1"},
+    "action.rule.remove": {"session_id": "s-1", "rule_id": "r-1"},
+    "action.start": {"session_id": "s-1", "policy": "tracker", "mode": "async", "dt_ms": 50, "horizon": 8,
+                     "latency_ms": [100, 300], "gain": 2.0, "max_speed": 1.0},
+    "action.stop": {"session_id": "s-1"},
+    "robot.state": {"session_id": "s-1", "state": [0.5, 1.0], "ts": 12.5},
 }
 
 
@@ -362,6 +369,8 @@ BAD_BY_KIND = {
     "strlist": ["stop", [""], ["a", ""], [1], [None], [["a"]], [{}], ["a"] * 9, {}, {"a": "b"}, 1, True],
     "flashlist": ["q", 1, True, {}, {"question": "q"}, [1], ["q"], [None], [[]], [{"question": "q"}] * 65],
     "object": ["dual", 1, True, [], [{"mode": "dual"}]],
+    "anyobject": ["x", 1, True, [], [{}]],
+    "numlist": ["x", 1, [True], ["1"], [None], [1e999], [0.0] * 65, {}],
 }
 
 

@@ -13,11 +13,15 @@ class Raw:
 
     def __init__(self, ws):
         self.ws = ws
+        self.sent = 0
+        self.pending = []  # events that arrived while waiting for a reply
 
     async def send(self, msg):
         await self.ws.send(msg if isinstance(msg, (str, bytes)) else json.dumps(msg))
 
     async def recv(self, timeout=30.0):
+        if self.pending:
+            return self.pending.pop(0)
         return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
 
     async def until(self, kind, timeout=60.0):
@@ -30,8 +34,19 @@ class Raw:
                 return seen
 
     async def request(self, msg):
+        """Send and return the reply: the event whose reply_to is this message's event_id
+        (events pushed meanwhile, like action chunks, are kept for `recv`)."""
+        if isinstance(msg, dict) and "event_id" not in msg:
+            self.sent += 1
+            msg = {**msg, "event_id": f"t{self.sent}"}
         await self.send(msg)
-        return await self.recv()
+        if not isinstance(msg, dict):
+            return await self.recv()
+        while True:
+            event = json.loads(await asyncio.wait_for(self.ws.recv(), 30))
+            if event.get("reply_to") == msg["event_id"]:
+                return event
+            self.pending.append(event)
 
     async def create(self, **fields):
         created = await self.request({"type": "session.create", **fields})
