@@ -1,7 +1,8 @@
 """A robot-controller example: a simulated planar point mass follows a moving target.
 
 It creates a session over the websocket, starts the session's action policy, streams what its
-"camera" sees (the target position, as JSON observations) into the session, executes the
+"camera" sees (the target position, as JSON observations; each revises the previous one, so
+the session's context stays bounded) into the session, executes the
 action chunks it receives over MQTT on the simulated robot, and publishes its state back on
 MQTT. At the end it prints the tracking error.
 
@@ -77,8 +78,9 @@ async def run_robot(args: argparse.Namespace) -> dict:
                     target = target_at(now - started)
                     errors.append(float(np.linalg.norm(target - position)))
                     await mqtt.publish(state_topic, json.dumps({"state": position.tolist(), "ts": now}), qos=1)
-                    if now >= next_obs:  # the camera: 10 observations a second
-                        await session.append(json.dumps({"target": target.tolist()}))
+                    if now >= next_obs:  # the camera: 10 observations a second, each replacing the
+                        # last one (revise), so the session holds the current view, not a growing log
+                        await session.revise(json.dumps({"target": [round(v, 4) for v in target.tolist()]}))
                         next_obs += 0.1
                     await asyncio.sleep(max(0.0, dt - (time.time() - now)))
             finally:

@@ -181,31 +181,37 @@ class AsyncController:
     """When to infer, on what state, and how the result enters the queue.
 
     mode "sync": infer only when the queue ran out; the robot waits (the baseline).
-    mode "async": infer while the queue runs, early enough that the new chunk is ready before
-    the queue empties; condition on the current state.
+    mode "async": infer while the queue runs, as soon as fewer than `threshold` x horizon
+    actions are queued (1.0: whenever no inference is running); condition on the current state.
     mode "async_rollforward": as async, conditioned on the state predicted for the moment the
     new chunk takes over (VLASH-style roll-forward through the queued actions).
+
+    The takeover is planned `expected` seconds ahead (a running mean of observed inference
+    times) and happens when the chunk arrives; a chunk that arrives late skips the actions
+    planned for the time that has passed.
     """
 
     MODES = ("sync", "async", "async_rollforward")
 
     def __init__(self, policy: ActionPolicy, dt: float, mode: str = "async_rollforward",
-                 expected_latency_s: float = 0.2, blend: int = 3) -> None:
+                 expected_latency_s: float = 0.2, blend: int = 3, threshold: float = 1.0) -> None:
         if mode not in self.MODES:
             raise InvalidRequest(f"action mode must be one of {', '.join(self.MODES)}, got {mode!r}")
+        if not 0.0 < threshold <= 1.0:
+            raise InvalidRequest(f"threshold must be in (0, 1], got {threshold}")
         self.policy, self.dt, self.mode = policy, dt, mode
         self.queue = ChunkQueue(dt, blend)
         self.expected = expected_latency_s
+        self.threshold = threshold
         self.seq = 0
 
     def should_infer(self, now: float, busy: bool) -> bool:
         if busy:
             return False
-        remaining = len(self.queue.pending(now)) * self.dt
+        queued = len(self.queue.pending(now))
         if self.mode == "sync":
-            return remaining <= 0
-        # start when what is queued would run out before an inference of the expected length
-        return remaining <= self.expected + self.dt
+            return queued == 0
+        return queued < self.threshold * self.policy.horizon or queued == 0
 
     def begin(self, now: float, observation: dict, obs_ts: float, state: np.ndarray) -> InferenceRequest:
         start = self.queue.seam(now + (0.0 if self.mode == "sync" else self.expected))
@@ -225,10 +231,13 @@ class AsyncController:
     def finish(self, request: InferenceRequest, chunk: np.ndarray, now: float, session_id: str = "") -> ActionChunk:
         """Integrate a finished inference. The chunk takes over at the planned start, or at
         the first slot after `now` if inference ran late (what ran meanwhile stays frozen)."""
-        start = max(request.start, now) if self.queue.actions else now
-        start = self.queue.seam(start)
+        self.expected = 0.8 * self.expected + 0.2 * (now - request.started)
+        # take over at arrival: waiting for the planned moment would only add latency
+        start = self.queue.seam(now) if self.queue.actions else now
+        late = max(0, round((start - request.start) / self.dt)) if self.mode != "sync" else 0
+        chunk = np.asarray(chunk)[late:]  # actions planned for time that has passed
         self.queue.drop_before(now)
-        frozen = self.queue.integrate(chunk, start)
+        frozen = self.queue.integrate(chunk, start) if len(chunk) else len(self.queue.actions)
         self.seq += 1
         t0 = self.queue.time_of(frozen)
         actions = [a.tolist() for a in self.queue.actions[frozen:]]

@@ -417,7 +417,7 @@ class Engine:
             except TypeError as exc:
                 raise InvalidRequest(f"bad options for policy {policy!r}: {exc}") from None
             latency = getattr(instance, "latency_s", (0.0, 0.0))
-            controller = AsyncController(instance, dt, mode, expected_latency_s=max(latency) or dt)
+            controller = AsyncController(instance, dt, mode, expected_latency_s=sum(latency) / 2 or dt)
             loop = ActionLoop(session_id, controller, lambda chunk: session.notify("action.chunk", chunk.public()))
             for chunk in reversed(session.chunks):  # the newest observation already in the log
                 observation = json_object(chunk.text)

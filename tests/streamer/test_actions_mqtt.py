@@ -201,3 +201,20 @@ def test_a_missing_broker_never_blocks_sessions(tiny_engine):
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_robot_controller_example_tracks_the_target(tiny_engine, broker):
+    """The example robot client end to end: websocket session, MQTT chunks, state back on MQTT."""
+    import argparse
+
+    from streamer.clients.robot import run_robot
+
+    async def test(url, server, prefix):
+        args = argparse.Namespace(url=url, mqtt=broker, prefix=prefix, seconds=3.0, dt_ms=50,
+                                  mode="async_rollforward", latency_ms=[20, 60])
+        return await run_robot(args)
+
+    result = serve_mqtt(tiny_engine, broker, test)
+    assert result["chunks"] >= 5
+    assert result["seqs"] == sorted(result["seqs"]) and len(set(result["seqs"])) == len(result["seqs"])
+    assert result["mean_error"] < 1.5  # it follows (the target circles at radius 1; the robot starts at 0)
