@@ -268,9 +268,9 @@ class ActionLoop:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+    def stop(self, wait: bool = True) -> None:
+        self._stop.set()  # the thread ends after its current inference; it publishes nothing more
+        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5)
 
     def observe(self, observation: dict, ts: float) -> None:
@@ -295,6 +295,8 @@ class ActionLoop:
                 request = c.begin(now, obs, obs_ts, state)
                 try:
                     chunk = c.policy.infer(obs, request.state)
+                    if self._stop.is_set():
+                        break
                     self.publish(c.finish(request, np.asarray(chunk), time.time(), self.session_id))
                 except Exception:
                     self.errors += 1

@@ -136,12 +136,12 @@ class Engine:
             try:
                 result = fn()
             except BaseException as exc:  # handed to the caller, never lost
-                fut.set_exception(exc)
+                _settle(fut, exc=exc)
             else:
                 if isinstance(result, Future):
                     result.add_done_callback(lambda f: _chain(f, fut))
                 else:
-                    fut.set_result(result)
+                    _settle(fut, result)
 
         self._control.append(run)
         self._wake.set()
@@ -168,6 +168,10 @@ class Engine:
                       thinking: dict | None) -> Future:
         """Build the session (its shared prefix may need blocks: OutOfBlocks propagates) and
         queue the prefill of its framing; the future resolves to its state."""
+        if sid in self.sessions:  # checked again: it may have waited in the admission queue
+            raise InvalidRequest(f"session id {sid!r} is already in use")
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise EngineError(f"session limit reached ({self.limits.max_sessions} sessions)", code="too_many_sessions")
         session = Session(sid, self.runner, system_prompt, self.context_window, self.pool, self.limits.share_prefix)
         try:
             if len(session.prefix_ids) >= session.context_window:
@@ -224,12 +228,12 @@ class Engine:
                     return  # FIFO: later arrivals wait behind the first
                 self._admission.popleft()
                 self.stats.admissions_refused += 1
-                out.set_exception(OutOfBlocks(f"no room for a new session after waiting "
-                                              f"{self.limits.admission_timeout_s:.0f} s: {exc}"))
+                _settle(out, exc=OutOfBlocks(f"no room for a new session after waiting "
+                                             f"{self.limits.admission_timeout_s:.0f} s: {exc}"))
                 continue
             except Exception as exc:
                 self._admission.popleft()
-                out.set_exception(exc)
+                _settle(out, exc=exc)
                 continue
             self._admission.popleft()
             result.add_done_callback(lambda f, out=out: _chain(f, out))
@@ -373,7 +377,8 @@ class Engine:
             session = self._live(session_id)
             if flash_id not in session.flash:
                 raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code="flash_not_found")
-            rid = rule_id or f"r{len(session.rules) + 1}"
+            session.next_rule_id += 1
+            rid = rule_id or f"r{session.next_rule_id}"
             if rid in session.rules:
                 raise InvalidRequest(f"rule id {rid!r} is already in use")
             if len(session.rules) >= self.limits.max_flash_per_session:
@@ -435,7 +440,7 @@ class Engine:
             if session.actions is None:
                 raise InvalidRequest(f"session {session_id} runs no action policy")
             loop, session.actions = session.actions, None
-            loop.stop()
+            loop.stop(wait=False)  # a slow policy must not hold up the engine thread
             return {"last_seq": loop.controller.seq}
 
         return self._call(stop)
@@ -457,10 +462,10 @@ class Engine:
             session.closed = True
             for job, fut in self._queues.pop(session_id, ()):
                 job.abort()
-                fut.set_exception(SessionClosed(f"session {session_id} was closed"))
+                _settle(fut, exc=SessionClosed(f"session {session_id} was closed"))
             del self.sessions[session_id]
             if session.actions is not None:
-                session.actions.stop()
+                session.actions.stop(wait=False)
                 session.actions = None
             self._flash.pop(session_id, None)
             self._think.pop(session_id, None)
@@ -541,7 +546,7 @@ class Engine:
                 log.exception("engine step failed; failing the jobs at the heads of the queues")
                 self._fail_heads()
                 continue
-            if not batch and not self._control:
+            if not batch and not self._control and not any(self._queues.values()):
                 self._wake.wait(self._next_wakeup())
                 self._wake.clear()
         self._fail_all(EngineStopped())
@@ -553,8 +558,7 @@ class Engine:
                 job, fut = queue.popleft()
                 if not job.done:
                     job.abort()
-                if not fut.done():
-                    fut.set_exception(error)
+                _settle(fut, exc=error)
         self._flash.clear()
         self._think.clear()
 
@@ -668,6 +672,12 @@ class Engine:
                 if sid in self._flash or any(isinstance(job, QueryJob) and job.base is not None for job, _ in queue):
                     continue
                 job = ThinkJob(session, self.stop_ids)
+                try:
+                    job.begin()  # now, while no fork reads the notes: it may drop old ones
+                except EngineError as exc:
+                    session.log.warning("reasoning unit skipped: %s", exc)
+                    session.thinking.seen_tokens = session.cache.length
+                    continue
                 job.order = next(self._order)
                 self._think[sid] = job
             elif not queue:
@@ -702,6 +712,8 @@ class Engine:
         """Seconds until a flash question waiting on its min interval becomes due (or None)."""
         now, soonest = time.monotonic(), None
         for session in self.sessions.values():
+            if getattr(session.cache, "parked", None) is not None:
+                continue  # evaluated when it comes back
             for q in session.flash.values():
                 if q.evaluated_version < session.data_version:
                     wait = max(0.0, q.last_eval_at + q.min_interval_s - now)
@@ -720,6 +732,8 @@ class Engine:
         if job.cancelled:
             self.stats.flash_cancelled += 1
             return
+        for q in job.skipped:  # no room to answer at this length: not retried until the data changes
+            q.evaluated_version = max(q.evaluated_version, job.version)
         for q, answer in job.results:
             if session.flash.get(q.flash_id) is not q:
                 continue  # unregistered while it ran
@@ -768,8 +782,14 @@ class Engine:
                 job.session.thinking.seen_tokens = job.session.cache.length  # no retry loop on the same input
             return
         queue = self._queues.get(job.session.id)
-        if queue and queue[0][0] is job:
-            queue.popleft()
+        if queue:
+            if queue[0][0] is job:
+                queue.popleft()
+            else:  # a follower that failed while planned beside its head
+                for i, (queued, _) in enumerate(queue):
+                    if queued is job:
+                        del queue[i]
+                        break
         if isinstance(job, QueryJob):
             if exc is None:
                 self.stats.queries += 1
@@ -779,17 +799,16 @@ class Engine:
         if exc is not None:
             if not job.done:
                 job.abort()
-            fut.set_exception(exc)
+            _settle(fut, exc=exc)
         else:
-            fut.set_result(job.result())
+            _settle(fut, job.result())
 
     def _fail_all(self, exc: BaseException) -> None:
         while self._control:
             self._control.popleft()()
         for queue in self._queues.values():
             for job, fut in queue:
-                if not fut.done():
-                    fut.set_exception(exc)
+                _settle(fut, exc=exc)
             queue.clear()
 
 
@@ -812,11 +831,28 @@ def _finishes(job: Job, steps: list[SeqStep]) -> bool:
     return isinstance(job, PrefillJob) and job.pos + sum(s.n for s in steps) >= len(job.tokens)
 
 
+def _settle(fut: Future, result: object = None, exc: BaseException | None = None) -> None:
+    """Resolve a future unless its waiter already gave up on it (a cancelled future, say when
+    the client disconnected): that must never raise on the engine thread."""
+    if fut.done():
+        return
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except Exception:  # cancelled between the check and the set
+        pass
+
+
 def _chain(src: Future, dst: Future, transform: Callable | None = None) -> None:
     if dst.done():
         return
-    exc = src.exception()
+    exc = src.exception() if not src.cancelled() else EngineError("cancelled", code="cancelled")
     if exc is not None:
-        dst.set_exception(exc)
+        _settle(dst, exc=exc)
     else:
-        dst.set_result(transform(src.result()) if transform else src.result())
+        try:
+            _settle(dst, transform(src.result()) if transform else src.result())
+        except Exception as error:
+            _settle(dst, exc=error)

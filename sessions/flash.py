@@ -143,10 +143,12 @@ class FlashJob(Job):
         self.epoch = session.crop_epoch
         self.started = time.monotonic()
         self.forks = []
+        self.skipped: list[FlashQuestion] = []
         room = session.context_window - (self.base if self.pos0 is None else self.pos0)
         for q in sorted(questions, key=lambda q: -q.priority):
             if len(q.question_ids) + 1 > room:
-                continue  # no room to answer at this length: skipped until the context shrinks
+                self.skipped.append(q)  # no room to answer at this length
+                continue
             need = len(q.question_ids) + min(q.max_tokens, room - len(q.question_ids))
             self.forks.append(_Fork(q, session.runner.new_cache(need)))
         self.cancelled = False

@@ -91,6 +91,7 @@ class Session:
         self.listeners: list = []  # callables (event_type, payload) on the engine thread
         self.thinking = None  # ThinkingState, when a thinking mode is set
         self.rules: dict = {}  # rule_id -> FlashRule
+        self.next_rule_id = 0
         self.actions = None  # ActionLoop, when a policy runs
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 

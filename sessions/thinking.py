@@ -284,7 +284,8 @@ class ThinkJob(Job):
         unit.end = (state.cache if self.dual else self.session.cache).length
         if self.final:
             state.final_done = True
-        if not self.dual:
+        if not self.dual:  # its own notes are in the reading cache: they are not new input
+            state.seen_tokens = self.session.cache.length
             self.session.record_reasoning(unit.start, self.fed, unit.text)
         state.units.append(unit)
         self.session.notify("reasoning.done", unit.public())

@@ -129,7 +129,14 @@ class MqttBridge:
                     self.connected.set()
                     backoff = 0.2
                     log.info("MQTT connected to %s:%d", self.host, self.port)
-                    await asyncio.gather(self._send(client), self._receive(client))
+                    tasks = [asyncio.ensure_future(self._send(client)), asyncio.ensure_future(self._receive(client))]
+                    try:
+                        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                    finally:
+                        for task in tasks:  # no sender left behind on a dead client
+                            task.cancel()
+                    for task in done:
+                        task.result()  # re-raise the MqttError that ended the connection
             except aiomqtt.MqttError as exc:
                 self.connected.clear()
                 log.warning("MQTT %s:%d unavailable (%s); retrying in %.1f s", self.host, self.port, exc, backoff)
@@ -149,8 +156,8 @@ class MqttBridge:
             try:
                 state, ts = _parse_robot_state(message.payload)
                 self.engine.robot_state(session_id, state, ts)
-            except (EngineError, ValueError) as exc:
-                code = getattr(exc, "code", "invalid_robot_state")
+            except Exception as exc:  # anyone may publish here: nothing they send may stop the bridge
+                code = exc.code if isinstance(exc, EngineError) else "invalid_robot_state"
                 self.enqueue(self.topic(session_id, "errors"), {
                     "type": "error", "session_id": session_id,
                     "error": {"code": code, "message": str(exc)[:300], "recoverable": True}})
@@ -160,13 +167,14 @@ def _parse_robot_state(payload: bytes | bytearray | str) -> tuple[list[float], f
     """{"state": [numbers], "ts": seconds?} -> (state, ts); ValueError names what is wrong."""
     try:
         data = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"robot state is not JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("state"), list):
         raise ValueError('robot state must be an object {"state": [numbers], "ts": seconds}')
     state = data["state"]
-    if len(state) > 64 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in state):
-        raise ValueError("robot state 'state' must be at most 64 numbers")
+    if len(state) > 64 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
+                                  for v in state):
+        raise ValueError("robot state 'state' must be at most 64 finite numbers")
     ts = data.get("ts")
     if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
         raise ValueError("robot state 'ts' must be a number")

@@ -78,6 +78,7 @@ class Connection:
         self.engine = server.engine
         self.ws = ws
         self.proto = ServerProtocol(server.config.protocol)
+        self.closed = False
         self.sessions: set[str] = set()  # sessions this connection produces into
         self.subscriptions: dict[str, object] = {}  # session id -> engine listener, as a subscriber
         self.listeners: dict[str, object] = {}  # session id -> engine listener, as the producer
@@ -117,7 +118,9 @@ class Connection:
 
         async def wait() -> None:
             try:
-                result = await asyncio.wrap_future(fut)
+                # shielded: a connection that goes away must not cancel the engine's future
+                # (the engine finishes the work; orphaned sessions are closed, see orphan_check)
+                result = await asyncio.shield(asyncio.wrap_future(fut))
             except EngineError as exc:
                 self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable,
                                            reply_to=cmd.event_id, session_id=cmd.session_id))
@@ -168,6 +171,7 @@ class Connection:
             writer.cancel()
 
     async def cleanup(self) -> None:
+        self.closed = True
         for task in list(self.tasks):
             task.cancel()
         for handle in self.queries.values():
@@ -197,6 +201,12 @@ class Connection:
     def on_session_create(self, cmd: Command) -> None:
         flash = [_flash_args(item) for item in cmd["flash"] or ()]
         fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash, cmd["thinking"])
+
+        def orphan_check(f) -> None:  # engine thread: a session created after its client left
+            if self.closed and not f.cancelled() and f.exception() is None:
+                self.engine.close_session(f.result()["session_id"])
+
+        fut.add_done_callback(orphan_check)
 
         def created(state: dict) -> str:
             sid = state["session_id"]

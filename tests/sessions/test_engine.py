@@ -142,3 +142,26 @@ def test_waiting_jobs_age_into_higher_classes(tiny, engine_factory):
     assert engine._rank(query, now) < engine._rank(ingest, now)  # a fresh question goes first
     assert engine._rank(ingest, now + 4.5) < engine._rank(query, now)  # ingest waiting 4.5 s overtakes it
     ingest.abort()
+
+
+def test_a_caller_that_gives_up_never_breaks_the_engine(tiny, engine_factory):
+    engine = engine_factory(tiny[0])
+    sid = engine.create_session().result()["session_id"]
+    abandoned = [engine.session_state(sid) for _ in range(5)] + [engine.append(sid, "x ") for _ in range(5)]
+    for fut in abandoned:
+        fut.cancel()  # as when a client disconnects while its request waits
+    assert engine.append(sid, "still working ").result(30).data_version >= 1
+    assert engine._thread.is_alive()
+
+
+def test_a_flash_question_that_cannot_fit_does_not_spin(tiny, engine_factory):
+    import time
+
+    engine = engine_factory(tiny[0], max_context_tokens=120)
+    sid = engine.create_session().result()["session_id"]
+    engine.append(sid, "word " * 60).result()
+    engine.register_flash(sid, "A question " * 6, max_tokens=4).result()
+    time.sleep(0.3)
+    first = engine.stats.flash_evaluations
+    time.sleep(0.5)
+    assert engine.stats.flash_evaluations == first <= 2  # evaluated (skipped) once, not in a loop
