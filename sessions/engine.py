@@ -189,7 +189,7 @@ class Engine:
         self.sessions[sid] = session
         self._queues[sid] = deque()
         self.stats.sessions_created += 1
-        shared = getattr(session.cache, "prefix", None)
+        shared = session.cache.prefix
         done = None
         if shared is not None and not shared.filled:
             done = self._enqueue(PrefillJob(session, shared.tokens, None, cache=shared))
@@ -253,7 +253,7 @@ class Engine:
         now = time.monotonic()
         idle = [s for sid, s in self.sessions.items()
                 if s is not keep and not self._queues[sid] and sid not in self._flash and sid not in self._think
-                and getattr(s.cache, "extent", None) is not None and now - s.last_active >= self.limits.park_idle_s]
+                and s.cache.parked is None and now - s.last_active >= self.limits.park_idle_s]
         parked = 0
         for session in sorted(idle, key=lambda s: s.last_active):
             if session.cache.park(self.limits.park_to_disk, session.id):
@@ -491,7 +491,7 @@ class Engine:
         queues["thinking"] = queues.get("thinking", 0) + len(self._think)
         queues["admission"] = len(self._admission)
         sessions = {sid: (s.cache.length, s.cache.nbytes) for sid, s in list(self.sessions.items())}
-        parked = sum(1 for s in list(self.sessions.values()) if getattr(s.cache, "parked", None) is not None)
+        parked = sum(1 for s in list(self.sessions.values()) if s.cache.parked is not None)
         stale = [s.data_version - q.answer.data_version for s in list(self.sessions.values())
                  for q in list(s.flash.values()) if q.answer is not None]
         return {"stats": self.snapshot_stats(), "pool": self.pool.stats(), "queues": queues,
@@ -609,7 +609,7 @@ class Engine:
     def _resident(self, session: Session) -> None:
         """Bring a parked session back into the pool before its work runs."""
         cache = session.cache
-        if getattr(cache, "parked", None) is not None:
+        if cache.parked is not None:
             self._with_room(cache.restore, session)
             self.stats.restored += 1
             session.log.info("restored from parking")
@@ -665,7 +665,7 @@ class Engine:
         reading the notes, since a unit may drop old ones; interleaved units write the reading
         cache, so they queue behind the session's other work."""
         for sid, session in self.sessions.items():
-            if sid in self._think or getattr(session.cache, "parked", None) is not None or not thinking_due(session):
+            if sid in self._think or session.cache.parked is not None or not thinking_due(session):
                 continue
             queue = self._queues[sid]
             if session.thinking.config.mode == "dual":
@@ -690,7 +690,7 @@ class Engine:
         for sid, session in self.sessions.items():
             if sid in self._flash or not session.flash or session.pending_tokens:
                 continue
-            if getattr(session.cache, "parked", None) is not None or sid in self._think or thinking_due(session):
+            if session.cache.parked is not None or sid in self._think or thinking_due(session):
                 continue  # reasoning (a higher class) first: a unit may drop notes a flash fork would read
             if any(isinstance(job, PrefillJob) for job, _ in self._queues[sid]):
                 continue
@@ -712,7 +712,7 @@ class Engine:
         """Seconds until a flash question waiting on its min interval becomes due (or None)."""
         now, soonest = time.monotonic(), None
         for session in self.sessions.values():
-            if getattr(session.cache, "parked", None) is not None:
+            if session.cache.parked is not None:
                 continue  # evaluated when it comes back
             for q in session.flash.values():
                 if q.evaluated_version < session.data_version:
@@ -793,9 +793,8 @@ class Engine:
         if isinstance(job, QueryJob):
             if exc is None:
                 self.stats.queries += 1
-            trim = getattr(job.session.cache, "trim", None)
-            if trim is not None and not job.session.closed:
-                trim()  # the fork's blocks go back to the pool
+            if not job.session.closed:
+                job.session.cache.trim()  # the fork's blocks go back to the pool
         if exc is not None:
             if not job.done:
                 job.abort()

@@ -39,10 +39,6 @@ class InvalidRequest(EngineError):
     code = "invalid_field"
 
 
-class QueryCancelled(EngineError):
-    code = "query_cancelled"
-
-
 class EngineStopped(EngineError):
     code = "engine_stopped"
 

@@ -62,7 +62,6 @@ class FlashQuestion:
     min_interval_s: float = 0.0  # at least this long between evaluations
     confirm: int = 1  # consecutive identical answers needed before a change is pushed
     answer: FlashAnswer | None = None  # the last pushed answer
-    latest: FlashAnswer | None = None  # the last evaluation, pushed or not
     candidate: str | None = None  # a changed answer waiting for confirmation
     candidate_count: int = 0
     evaluated_version: int = -1
@@ -76,7 +75,6 @@ class FlashQuestion:
     def observe(self, result: FlashAnswer) -> bool:
         """Record an evaluation; True when it is to be pushed (first answer, or a change seen
         `confirm` times in a row)."""
-        self.latest = result
         self.evaluated_version = max(self.evaluated_version, result.data_version)
         self.last_eval_at = time.monotonic()
         self.evaluations += 1

@@ -30,9 +30,15 @@ class KVShape:
 
 
 class KVCache:
-    """Growable KV buffers for one session; `length` tokens are committed."""
+    """Growable KV buffers for one session; `length` tokens are committed.
+
+    It shares the interface of the pool's PagedCache: a private buffer has no shared prefix,
+    cannot be parked, and has no pool blocks to trim or release."""
 
     min_capacity = 256
+    prefix = None
+    prefix_len = 0
+    parked = None
 
     def __init__(self, shape: KVShape, max_tokens: int) -> None:
         self.shape = shape
@@ -55,9 +61,6 @@ class KVCache:
         """Bytes held by the buffers (allocated, not only committed)."""
         return self._buf.numel() * self._buf.element_size()
 
-    def can_hold(self, total: int) -> bool:
-        return total <= self.max_tokens
-
     def reserve(self, total: int) -> None:
         """Make room for `total` tokens. Everything already written is kept, including a fork's
         uncommitted tokens past `length`, so a question may grow the cache mid-decode."""
@@ -78,6 +81,16 @@ class KVCache:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"commit length {length} outside [0, {self.capacity}]")
         self.length = length
+
+    def trim(self) -> None:
+        """Nothing to give back: the buffer is private."""
+
+    def release(self) -> None:
+        """Nothing to give back: the buffer is freed with the object."""
+
+    def park(self, to_disk: bool = False, name: str = "session") -> int:
+        """A private buffer is not in the pool: parking it would free no blocks."""
+        return 0
 
     def crop(self, length: int) -> None:
         """Forget tokens past `length` (used by revise)."""

@@ -62,7 +62,7 @@ FORK_SUFFIX_MAX = 128  # own tokens up to which forks of one group are batched t
 def _ranges(cache, length: int) -> list[tuple[object, int]]:
     """A read-only `(cache, length)` as attention ranges: a paged cache's shared prefix, then
     its own part."""
-    shared = getattr(cache, "prefix_len", 0)
+    shared = cache.prefix_len
     if not shared:
         return [(cache, length)]
     out = [(cache.prefix, min(length, shared))]
@@ -87,7 +87,7 @@ def _session_attention(module, query, key, value, attention_mask, scaling=None, 
     forks: dict[tuple, list[tuple[SeqStep, int, list]]] = {}
     for seq in streamer_meta.seqs:
         cache = seq.cache
-        shared = getattr(cache, "prefix_len", 0)
+        shared = cache.prefix_len
         own_start = seq.start - shared
         k_cache, v_cache = cache.layer(layer)
         src = slice(seq.offset, seq.offset + seq.n)
