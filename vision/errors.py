@@ -1,0 +1,36 @@
+"""Typed media errors. Each is an EngineError, so the server reports its code as is and the
+session (and everything it accepted before) survives."""
+
+from __future__ import annotations
+
+from streamer.sessions.errors import EngineError
+
+
+class MediaError(EngineError):
+    """Media bytes that cannot be used; the session keeps working."""
+
+    code = "media_error"
+
+
+class MediaDecodeError(MediaError):
+    """Corrupt or truncated container or codec bytes."""
+
+    code = "media_decode_error"
+
+
+class UnsupportedMedia(MediaError):
+    """A kind, container or codec this server does not take (or whose extra is not installed)."""
+
+    code = "unsupported_media"
+
+
+class MediaTooLarge(MediaError):
+    """A frame (or a decoded picture) beyond the configured limit."""
+
+    code = "media_too_large"
+
+
+class MediaHeaderInvalid(MediaError):
+    """A binary frame whose header is missing, malformed, or does not match the stream."""
+
+    code = "media_header_invalid"
