@@ -14,6 +14,7 @@ becomes a `StreamerError` raised from the call that caused it.
 from __future__ import annotations
 
 import asyncio
+import os
 import itertools
 import json
 from collections.abc import AsyncIterator
@@ -103,6 +104,7 @@ class Session:
         self.id: str = created["session_id"]
         self.info: dict = created.get("session", {})
         self.model: str = created.get("model", "")
+        self.tokens: dict[str, str] = created.get("tokens", {})  # role -> capability token
         self.subscribe_token: str | None = created.get("subscribe_token")  # give to read-only watchers
 
     async def append(self, text: str) -> Ack:
@@ -172,8 +174,13 @@ class StreamerClient:
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: Any) -> "StreamerClient":
+    async def connect(cls, url: str, api_key: str | None = None, **kwargs: Any) -> "StreamerClient":
+        """Open a connection; `api_key` (default: $STREAMER_API_KEY) lets it create sessions."""
         kwargs.setdefault("max_size", 16 << 20)
+        api_key = api_key or os.environ.get("STREAMER_API_KEY")
+        if api_key:
+            kwargs["additional_headers"] = {**dict(kwargs.get("additional_headers") or {}),
+                                            "Authorization": f"Bearer {api_key}"}
         return cls(await connect(url, **kwargs))
 
     async def __aenter__(self) -> "StreamerClient":

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mqtt", default=None, metavar="URL",
                        help="publish session events to this MQTT broker (mqtt://host:port) and take robot state from it")
     serve.add_argument("--mqtt-prefix", default="streamer", help="MQTT topic prefix (default: %(default)s)")
+    serve.add_argument("--api-keys-file", default=os.environ.get("STREAMER_API_KEYS_FILE"), metavar="PATH",
+                       help="API keys that may create sessions, one 'name:key' per line (default: "
+                            "$STREAMER_API_KEYS_FILE; none: anyone who can reach the port may)")
+    serve.add_argument("--sessions-per-key", type=int, default=32,
+                       help="live sessions one API key may hold (default: %(default)s)")
     _model_args(serve)
 
     demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
@@ -83,12 +88,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, limits) -> int:
     from streamer.app import build_engine
+    from streamer.auth import ApiKeys, KeysFileError
     from streamer.server import ServerConfig, run_server
 
+    log = logging.getLogger("streamer")
+    try:
+        keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys()
+    except KeysFileError as exc:
+        log.error("%s", exc)
+        return 2
+    if not keys.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s with no API keys: anyone who reaches the port can create sessions "
+                    "(use --api-keys-file)", args.host)
+    config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
+                          api_keys=keys, sessions_per_key=args.sessions_per_key)
     engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
     try:
-        asyncio.run(run_server(engine, ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt,
-                                                    mqtt_prefix=args.mqtt_prefix),
+        asyncio.run(run_server(engine, config,
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
     finally:
         engine.stop()

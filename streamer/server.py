@@ -9,10 +9,8 @@ outbound events go through one bounded queue, so their order is the order they w
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,10 +25,15 @@ from streamer.sessions.engine import Engine
 from streamer.sessions.errors import EngineError
 from streamer.sessions.sampling import SamplingParams
 
+from .auth import ApiKeys, SessionTokens, key_from_request
 from .metrics import render as render_metrics
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
 
 log = logging.getLogger(__name__)
+# websockets logs every frame at DEBUG; frames carry tokens and user data, so the server's
+# websockets logger stops at INFO whatever the root level is (tokens are never logged).
+wire_log = logging.getLogger("streamer.wire")
+wire_log.setLevel(logging.INFO)
 
 
 @dataclass(slots=True)
@@ -46,6 +49,8 @@ class ServerConfig:
     ping_timeout: float | None = 20.0
     mqtt_url: str | None = None  # e.g. mqtt://127.0.0.1:1883: publish session events there
     mqtt_prefix: str = "streamer"
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: anyone may create sessions
+    sessions_per_key: int = 32  # live sessions one API key may hold (with keys configured)
 
 
 class InvalidText:
@@ -79,6 +84,7 @@ class Connection:
         self.ws = ws
         self.proto = ServerProtocol(server.config.protocol)
         self.closed = False
+        self.key_name = server.api_key_name(ws)  # which API key the handshake presented, if any
         self.sessions: set[str] = set()  # sessions this connection produces into
         self.subscriptions: dict[str, object] = {}  # session id -> engine listener, as a subscriber
         self.listeners: dict[str, object] = {}  # session id -> engine listener, as the producer
@@ -141,9 +147,17 @@ class Connection:
     def owned(self, cmd: Command) -> bool:
         if cmd.session_id in self.sessions:
             return True
-        self.refuse(cmd, "session_not_found",
-                    f"no session {cmd.session_id!r} on this connection (never created, or closed)")
+        if cmd.session_id in self.subscriptions:
+            self.refuse(cmd, "forbidden", f"{cmd.type} needs the producer of session {cmd.session_id!r}; "
+                        "this connection holds a read-only token for it")
+        else:
+            self.refuse(cmd, "session_not_found",
+                        f"no session {cmd.session_id!r} on this connection (never created, or closed)")
         return False
+
+    def readable(self, cmd: Command) -> bool:
+        """The producer or a subscriber of the session may read its state."""
+        return cmd.session_id in self.subscriptions or self.owned(cmd)
 
     # ---- receive loop ---------------------------------------------------------------------
 
@@ -183,7 +197,7 @@ class Connection:
             if self.server.mqtt is not None:
                 self.server.mqtt.detach(sid)
             self.engine.close_session(sid)
-            self.server.subscribe_tokens.pop(sid, None)
+            self.server.forget(sid)
         self.sessions.clear()
 
     def listener(self, sid: str):
@@ -199,25 +213,47 @@ class Connection:
     # ---- handlers -------------------------------------------------------------------------
 
     def on_session_create(self, cmd: Command) -> None:
+        server = self.server
+        if server.config.api_keys.enabled:
+            if self.key_name is None:
+                self.refuse(cmd, "unauthorized", "session.create needs an API key: send 'Authorization: Bearer "
+                            "<key>' (or ?api_key=) when opening the websocket")
+                return
+            held = server.sessions_by_key.get(self.key_name, 0)
+            if held >= server.config.sessions_per_key:
+                self.refuse(cmd, "too_many_sessions",
+                            f"this API key already holds {held} sessions (limit {server.config.sessions_per_key})")
+                return
+            server.sessions_by_key[self.key_name] = held + 1  # reserved now, released if creation fails
         flash = [_flash_args(item) for item in cmd["flash"] or ()]
         fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash, cmd["thinking"])
+
+        key_name = self.key_name if server.config.api_keys.enabled else None
 
         def orphan_check(f) -> None:  # engine thread: a session created after its client left
             if self.closed and not f.cancelled() and f.exception() is None:
                 self.engine.close_session(f.result()["session_id"])
+                if key_name is not None:
+                    self.loop.call_soon_threadsafe(server.release_key, key_name)
 
         fut.add_done_callback(orphan_check)
+        if key_name is not None:  # give the reservation back if the engine refuses the session
+            fut.add_done_callback(lambda f: f.exception() is None or self.loop.call_soon_threadsafe(
+                server.release_key, key_name))
 
         def created(state: dict) -> str:
             sid = state["session_id"]
             self.sessions.add(sid)
             self.listeners[sid] = self.listener(sid)
             self.engine.add_listener(sid, self.listeners[sid])
-            token = self.server.subscribe_tokens[sid] = secrets.token_urlsafe(24)
-            if self.server.mqtt is not None:
-                self.server.mqtt.attach(sid)
+            tokens = server.tokens.issue(sid)
+            if key_name is not None:
+                server.session_keys[sid] = key_name
+            if server.mqtt is not None:
+                server.mqtt.attach(sid)
             return self.proto.event("session.created", reply_to=cmd.event_id, session_id=sid,
-                                    model=self.engine.runner.name, subscribe_token=token, session=state)
+                                    model=self.engine.runner.name, tokens=tokens,
+                                    subscribe_token=tokens["subscriber"], session=state)
 
         self.reply(cmd, fut, created)
 
@@ -228,7 +264,7 @@ class Connection:
                                                    session_id=cmd.session_id, session=st))
 
     def on_session_get(self, cmd: Command) -> None:
-        if self.owned(cmd):
+        if self.readable(cmd):
             self.reply(cmd, self.engine.session_state(cmd.session_id),
                        lambda st: self.proto.event("state", reply_to=cmd.event_id, session_id=cmd.session_id, session=st))
 
@@ -236,7 +272,7 @@ class Connection:
         if self.owned(cmd):
             self.sessions.discard(cmd.session_id)
             self.listeners.pop(cmd.session_id, None)
-            self.server.subscribe_tokens.pop(cmd.session_id, None)
+            self.server.forget(cmd.session_id)
             if self.server.mqtt is not None:
                 self.server.mqtt.detach(cmd.session_id)
             self.reply(cmd, self.engine.close_session(cmd.session_id),
@@ -325,11 +361,12 @@ class Connection:
                                                              session_id=cmd.session_id, flash_id=st["flash_id"]))
 
     def on_subscribe(self, cmd: Command) -> None:
-        """Read-only access to another connection's session with its subscribe token."""
+        """Read-only access to a session with any of its tokens (subscriber, dashboard or
+        producer); an unknown session and a wrong token get the same answer."""
         sid = cmd.session_id
-        expected = self.server.subscribe_tokens.get(sid)
-        if expected is None or not hmac.compare_digest(expected.encode(), cmd["token"].encode()):
-            self.refuse(cmd, "session_not_found", f"no session {sid!r} with that subscribe token")
+        role = self.server.tokens.role_of(sid, cmd["token"])
+        if role is None:
+            self.refuse(cmd, "session_not_found", f"no session {sid!r} with that token")
             return
         if sid in self.subscriptions:
             self.refuse(cmd, "invalid_field", f"already subscribed to session {sid}")
@@ -432,7 +469,9 @@ class StreamerServer:
         self.config = config or ServerConfig()
         self.connections: set[Connection] = set()
         self.query_ids = iter(range(1, 1 << 62))
-        self.subscribe_tokens: dict[str, str] = {}  # session id -> token for read-only subscribers
+        self.tokens = SessionTokens()  # capability tokens of live sessions (digests only)
+        self.sessions_by_key: dict[str, int] = {}  # API key name -> live sessions it created
+        self.session_keys: dict[str, str] = {}  # session id -> the API key name that created it
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
         self._server: Server | None = None
 
@@ -450,7 +489,7 @@ class StreamerServer:
             self.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix).start()
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
-            create_connection=LenientConnection,
+            create_connection=LenientConnection, logger=wire_log,
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
         log.info("listening on ws://%s:%d (model %s)", cfg.host, self.port, self.engine.runner.name)
         return self
@@ -479,6 +518,26 @@ class StreamerServer:
             self.connections.discard(conn)
             await conn.cleanup()
 
+    def api_key_name(self, ws: ServerConnection) -> str | None:
+        request = ws.request
+        if request is None or not self.config.api_keys.enabled:
+            return None
+        return self.config.api_keys.check(key_from_request(request.headers, request.path))
+
+    def release_key(self, key_name: str) -> None:
+        held = self.sessions_by_key.get(key_name, 0) - 1
+        if held > 0:
+            self.sessions_by_key[key_name] = held
+        else:
+            self.sessions_by_key.pop(key_name, None)
+
+    def forget(self, session_id: str) -> None:
+        """A session closed: its tokens stop working and its key's count drops."""
+        self.tokens.revoke(session_id)
+        key_name = self.session_keys.pop(session_id, None)
+        if key_name is not None:
+            self.release_key(key_name)
+
     def health(self) -> dict:
         stats = self.engine.snapshot_stats()
         return {"status": "ok", "model": self.engine.runner.name, "sessions": stats["sessions"],
@@ -494,6 +553,9 @@ class StreamerServer:
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
         if request.headers.get("Upgrade", "").lower() == "websocket":
+            key = key_from_request(request.headers, request.path)
+            if key is not None and self.config.api_keys.enabled and self.config.api_keys.check(key) is None:
+                return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
             return None
         return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics or a websocket"})
 

@@ -22,7 +22,7 @@ def test_flash_pushes_to_producer_and_subscriber_and_serves_cached_answers(tiny_
         subscribed = await watcher.request({"type": "subscribe", "session_id": sid, "token": token})
         assert subscribed["type"] == "subscribed" and subscribed["session"]["flash"][0]["answer"] == first["answer"]
         check_error(await watcher.request({"type": "input.text.append", "session_id": sid, "text": "x"}),
-                    "session_not_found")  # a subscriber cannot write
+                    "forbidden")  # a subscriber cannot write
 
         registered = await producer.request({"type": "flash.register", "session_id": sid,
                                              "question": "What is the cat called?", "max_tokens": 8,

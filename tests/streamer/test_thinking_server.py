@@ -26,7 +26,7 @@ def test_reasoning_events_and_settings(tiny_engine):
         check_error(await producer.request({"type": "session.update", "session_id": sid,
                                             "thinking": {"mode": "dual", "colour": 1}}), "unknown_field")
         check_error(await watcher.request({"type": "session.update", "session_id": sid,
-                                           "thinking": {"mode": "dual"}}), "session_not_found")
+                                           "thinking": {"mode": "dual"}}), "forbidden")
         await producer.still_serving(sid)
 
     serve(tiny_engine, test)

@@ -76,8 +76,10 @@ def serve(engine, test, **config):
     return asyncio.run(main())
 
 
-async def raw(url):
-    return Raw(await connect(url, max_size=None))
+async def raw(url, api_key=None, **kwargs):
+    if api_key is not None:
+        kwargs["additional_headers"] = {"Authorization": f"Bearer {api_key}"}
+    return Raw(await connect(url, max_size=None, **kwargs))
 
 
 def check_error(event, code, recoverable=True):
