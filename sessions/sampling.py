@@ -21,7 +21,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
 
     def validate(self, limit: int) -> None:
-        if not 1 <= self.max_tokens <= limit:
+        if self.max_tokens > limit:
+            raise InvalidRequest(f"max_tokens must be in [1, {limit}], got {self.max_tokens}",
+                                 code="max_tokens_too_large")
+        if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be in [1, {limit}], got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 10.0:
             raise InvalidRequest(f"temperature must be in [0, 10], got {self.temperature}")

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "$STREAMER_API_KEYS_FILE; none: anyone who can reach the port may)")
     serve.add_argument("--sessions-per-key", type=int, default=32,
                        help="live sessions one API key may hold (default: %(default)s)")
+    serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                       help="change any limit in docs/limits.md, e.g. messages_per_s=50 (repeatable; "
+                            "'--limit help' lists them with their values)")
     _model_args(serve)
 
     demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
@@ -86,6 +89,62 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+_NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys"}
+
+
+def apply_limits(items: list[str], config, limits):
+    """Apply `NAME=VALUE` overrides to the server, protocol and engine limits (one namespace;
+    the names are unique across the three). Returns (config, limits); (None, None) after
+    printing the list for `help`. Raises ValueError for an unknown name or a bad value."""
+    import dataclasses
+
+    targets = {"protocol": config.protocol, "server": config, "engine": limits}
+    fields = {f.name: (where, f) for where, obj in targets.items() for f in dataclasses.fields(obj)
+              if f.name not in _NOT_LIMITS}
+    if "help" in items:
+        for name, (where, _) in sorted(fields.items()):
+            print(f"{name} = {getattr(targets[where], name)!r}  ({where})")
+        return None, None
+    changes: dict[str, dict] = {"protocol": {}, "server": {}, "engine": {}}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in fields:
+            raise ValueError(f"--limit {item!r}: expected NAME=VALUE with a NAME from '--limit help'")
+        where, f = fields[name]
+        current = getattr(targets[where], name)
+        changes[where][name] = _convert(name, raw.strip(), current, f.type)
+    protocol = dataclasses.replace(config.protocol, **changes["protocol"])
+    for name, value in changes["server"].items():
+        setattr(config, name, value)
+    config.protocol = protocol
+    for name, value in changes["engine"].items():
+        setattr(limits, name, value)
+    return config, limits
+
+
+def _convert(name: str, raw: str, current, annotation):
+    text = str(annotation)
+    if raw.lower() == "none" and "None" in text:
+        return None
+    try:
+        if isinstance(current, bool) or text.startswith("bool"):
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "yes", "on")
+        if isinstance(current, int) or text.startswith("int"):
+            value = int(float(raw)) if raw.replace(".", "", 1).isdigit() else int(raw, 0)
+        elif isinstance(current, float) or text.startswith("float"):
+            value = float(raw)
+        else:
+            return raw
+    except ValueError:
+        raise ValueError(f"--limit {name}={raw}: expected a {type(current).__name__ if current is not None else text}")
+    if value < 0:
+        raise ValueError(f"--limit {name}={raw}: must not be negative")
+    return value
+
+
 def _serve(args: argparse.Namespace, limits) -> int:
     from streamer.app import build_engine
     from streamer.auth import ApiKeys, KeysFileError
@@ -102,6 +161,13 @@ def _serve(args: argparse.Namespace, limits) -> int:
                     "(use --api-keys-file)", args.host)
     config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
                           api_keys=keys, sessions_per_key=args.sessions_per_key)
+    try:
+        config, limits = apply_limits(args.limit, config, limits)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if config is None:  # --limit help
+        return 0
     engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
     try:
         asyncio.run(run_server(engine, config,

@@ -22,11 +22,20 @@ COUNTERS = {
 }
 
 
+EDGE_COUNTERS = {
+    "backpressure_pauses": "Times reading a client paused for backpressure",
+    "rate_limited": "Messages refused for a connection's message or byte rate",
+    "slow_consumers_dropped": "Connections dropped for not reading their events",
+    "idle_closed": "Idle connections closed",
+    "auth_refused": "Handshakes or session creations refused for a missing or unknown API key",
+}
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render(metrics: dict, connections: int) -> str:
+def render(metrics: dict, connections: int, edge: dict | None = None) -> str:
     """The metrics as Prometheus text format 0.0.4."""
     lines: list[str] = []
 
@@ -43,6 +52,8 @@ def render(metrics: dict, connections: int) -> str:
     metric("sessions", "gauge", "Live sessions", [({}, stats["sessions"])])
     metric("sessions_parked", "gauge", "Sessions parked out of the KV pool", [({}, metrics["parked"])])
     metric("connections", "gauge", "Open websocket connections", [({}, connections)])
+    for key, help_text in EDGE_COUNTERS.items():
+        metric(f"{key}_total", "counter", help_text, [({}, (edge or {}).get(key, 0))])
     metric("queue_depth", "gauge", "Jobs waiting or running, by class",
            [({"class": k}, v) for k, v in sorted(metrics["queues"].items())])
     metric("pool_blocks", "gauge", "KV pool blocks", [({}, pool["blocks"])])

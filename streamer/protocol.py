@@ -27,6 +27,15 @@ INVALID_FIELD = "invalid_field"
 UNKNOWN_FIELD = "unknown_field"
 MESSAGE_TOO_LARGE = "message_too_large"
 UNEXPECTED_BINARY = "unexpected_binary"
+TEXT_TOO_LONG = "text_too_long"
+QUESTION_TOO_LONG = "question_too_long"
+SYSTEM_PROMPT_TOO_LONG = "system_prompt_too_long"
+PATTERN_TOO_LONG = "pattern_too_long"
+FLASH_LIMIT = "flash_limit"
+# Each per-field character limit has its own code (docs/limits.md lists them all).
+LIMIT_CODES = {"max_text_chars": TEXT_TOO_LONG, "max_question_chars": QUESTION_TOO_LONG,
+               "max_system_prompt_chars": SYSTEM_PROMPT_TOO_LONG, "max_pattern_chars": PATTERN_TOO_LONG,
+               "max_id_chars": INVALID_FIELD}
 
 
 class ProtocolError(Exception):
@@ -51,6 +60,7 @@ class ProtocolLimits:
     max_text_chars: int = 256 * 1024  # one input.text.append / revise
     max_question_chars: int = 8 * 1024
     max_system_prompt_chars: int = 16 * 1024
+    max_pattern_chars: int = 1024  # action.rule pattern
     max_id_chars: int = 64
     max_flash_at_create: int = 64  # flash questions listed in one session.create
 
@@ -128,7 +138,7 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "subscribe": {"session_id": _SID, "token": _Field("id", required=True)},
     "unsubscribe": {"session_id": _SID},
     "action.rule": {"session_id": _SID, "flash_id": _Field("id", required=True),
-                    "pattern": _Field("str", True, limit="max_question_chars"),
+                    "pattern": _Field("str", True, limit="max_pattern_chars"),
                     "command": _Field("anyobject", required=True), "debounce_ms": _Field("int", lo=0, hi=86_400_000),
                     "rule_id": _Field("id")},
     "action.rule.remove": {"session_id": _SID, "rule_id": _Field("id", required=True)},
@@ -224,7 +234,7 @@ class ServerProtocol:
             elif not _is_unicode(value):
                 bad = "valid Unicode (no lone surrogates)"
             elif spec.limit and len(value) > getattr(self.limits, spec.limit):
-                raise ProtocolError(MESSAGE_TOO_LARGE, f"'{name}' has {len(value)} characters; the limit is "
+                raise ProtocolError(LIMIT_CODES[spec.limit], f"'{name}' has {len(value)} characters; the limit is "
                                     f"{getattr(self.limits, spec.limit)}", param=name)
         elif spec.kind == "id":
             if not _is_id(value, self.limits.max_id_chars):
@@ -259,7 +269,10 @@ class ServerProtocol:
                 value = self._validate(f"{kind} {name}", value, spec.schema)
         elif spec.kind == "flashlist":
             limit = self.limits.max_flash_at_create
-            if not isinstance(value, list) or len(value) > limit:
+            if isinstance(value, list) and len(value) > limit:
+                raise ProtocolError(FLASH_LIMIT, f"{kind}: '{name}' lists {len(value)} flash questions; the limit "
+                                    f"is {limit}", param=name)
+            if not isinstance(value, list):
                 bad = f"a list of at most {limit} flash questions"
             else:
                 items = []

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
+import socket
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,15 +41,32 @@ wire_log.setLevel(logging.INFO)
 
 @dataclass(slots=True)
 class ServerConfig:
-    """Every limit of the edge, with its default. Engine limits live in EngineLimits."""
+    """Every limit of the edge, with its default (docs/limits.md lists these with the protocol
+    and engine limits and the error code of each). Engine limits live in EngineLimits."""
 
     host: str = "127.0.0.1"
     port: int = 8765  # 0: pick a free port (tests)
     protocol: ProtocolLimits = field(default_factory=ProtocolLimits)
     max_frame_bytes: int = 16 << 20  # beyond this websockets closes the connection (1009)
-    max_outbox: int = 10_000  # queued outbound events before a slow reader is dropped
-    ping_interval: float | None = 20.0
+    # per connection, inbound: token buckets (sustained rate, burst); beyond: rate_limited / byte_rate_limited
+    messages_per_s: float = 200.0
+    messages_burst: int = 400
+    bytes_per_s: float = float(8 << 20)
+    bytes_burst: int = 32 << 20  # never below max_frame_bytes, so one allowed frame always fits
+    max_inflight: int = 256  # commands waiting for the engine; reading pauses above this, resumes at half
+    # per connection, outbound: queued event bytes. Above high, reading the client pauses until the
+    # queue is below low; above high for slow_consumer_s, or above max at any time, the client is
+    # dropped with a slow_consumer error (close 1008) instead of growing memory.
+    outbox_high_bytes: int = 4 << 20
+    outbox_low_bytes: int = 1 << 20
+    outbox_max_bytes: int = 32 << 20
+    slow_consumer_s: float = 10.0
+    send_buffer_bytes: int | None = None  # kernel send buffer per socket (None: the OS default)
+    idle_timeout_s: float = 300.0  # a connection with no session and no subscription that sends nothing
+    ping_interval: float | None = 20.0  # keepalive: a peer that misses a pong for ping_timeout is closed
     ping_timeout: float | None = 20.0
+    open_timeout_s: float = 10.0  # the websocket handshake
+    shutdown_grace_s: float = 10.0  # graceful shutdown: time for in-flight work before closing (1001)
     mqtt_url: str | None = None  # e.g. mqtt://127.0.0.1:1883: publish session events there
     mqtt_prefix: str = "streamer"
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: anyone may create sessions
@@ -75,8 +95,31 @@ class LenientConnection(ServerConnection):
             raise self.close_exc from None
 
 
+class TokenBucket:
+    """A sustained rate with a burst allowance."""
+
+    __slots__ = ("rate", "burst", "level", "stamp")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst, self.level, self.stamp = rate, burst, float(burst), time.monotonic()
+
+    def take(self, amount: float = 1.0) -> bool:
+        now = time.monotonic()
+        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.level < amount:
+            return False
+        self.level -= amount
+        return True
+
+
 class Connection:
-    """One client connection: owns the sessions it created; closes them when it goes."""
+    """One client connection: owns the sessions it created; closes them when it goes.
+
+    Backpressure: reading from the client pauses while its commands wait on the engine beyond
+    `max_inflight` or its undelivered events pass `outbox_high_bytes`, so a fast producer is
+    slowed by TCP instead of queueing without bound; a client that stays congested is dropped.
+    """
 
     def __init__(self, server: "StreamerServer", ws: ServerConnection) -> None:
         self.server = server
@@ -90,8 +133,22 @@ class Connection:
         self.listeners: dict[str, object] = {}  # session id -> engine listener, as the producer
         self.queries: dict[tuple[str, str], object] = {}
         self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        self.outbox_bytes = 0
+        self.congested_since: float | None = None  # outbox above the high watermark since
+        self.dropping: tuple[str, str, int] | None = None  # (code, message, close code) once dropped
+        self.inflight = 0
+        self.reading = asyncio.Event()  # cleared while backpressure pauses reading
+        self.reading.set()
+        cfg = server.config
+        self.messages = TokenBucket(cfg.messages_per_s, cfg.messages_burst)
+        self.bytes_in = TokenBucket(cfg.bytes_per_s, max(cfg.bytes_burst, cfg.max_frame_bytes))
+        self.last_message = time.monotonic()
         self.tasks: set[asyncio.Task] = set()
         self.loop = asyncio.get_running_loop()
+        if cfg.send_buffer_bytes:
+            sock = ws.transport.get_extra_info("socket") if ws.transport is not None else None
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.send_buffer_bytes)
         self.handlers: dict[str, Callable[[Command], None]] = {
             "session.create": self.on_session_create, "session.get": self.on_session_get,
             "session.close": self.on_session_close, "input.text.append": self.on_append,
@@ -107,22 +164,79 @@ class Connection:
 
     # ---- plumbing -------------------------------------------------------------------------
 
-    def send(self, text: str | None) -> None:
-        if self.outbox.qsize() >= self.server.config.max_outbox:
-            log.warning("dropping a connection whose outbox passed %d events", self.server.config.max_outbox)
-            self.outbox.put_nowait(None)
+    def send(self, text: str) -> None:
+        if self.dropping is not None:
             return
+        cfg = self.server.config
+        size = len(text)
+        if self.outbox_bytes + size > cfg.outbox_max_bytes:
+            self.drop("slow_consumer", f"more than {cfg.outbox_max_bytes} bytes of events undelivered")
+            return
+        self.outbox_bytes += size
         self.outbox.put_nowait(text)
+        if self.outbox_bytes > cfg.outbox_high_bytes and self.congested_since is None:
+            self.congested_since = time.monotonic()
+            self.update_reading()
+
+    def drop(self, code: str, message: str, close_code: int = 1008) -> None:
+        """Stop serving this client: free its queue, tell it why, close."""
+        if self.dropping is not None:
+            return
+        log.warning("dropping a connection: %s (%s)", code, message)
+        self.server.edge["slow_consumers_dropped" if code == "slow_consumer" else "idle_closed"] += 1
+        self.dropping = (code, message, close_code)
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        self.outbox_bytes = 0
+        self.outbox.put_nowait(None)
+
+    def update_reading(self) -> None:
+        cfg = self.server.config
+        if self.congested_since is not None and self.outbox_bytes <= cfg.outbox_low_bytes:
+            self.congested_since = None
+        if self.congested_since is not None or self.inflight > cfg.max_inflight:
+            if self.reading.is_set():
+                self.server.edge["backpressure_pauses"] += 1
+            self.reading.clear()
+        elif self.inflight <= cfg.max_inflight // 2:
+            self.reading.set()
 
     async def writer(self) -> None:
         while (text := await self.outbox.get()) is not None:
             await self.ws.send(text)
-        await self.ws.close(1008, "slow consumer: too many undelivered events")
+            self.outbox_bytes = max(0, self.outbox_bytes - len(text))
+            if self.congested_since is not None:
+                self.update_reading()
+        code, message, close_code = self.dropping
+        error = self.proto.error(code, message, recoverable=False)
+        try:  # the peer may not be reading: bounded waits, then cut the connection
+            await asyncio.wait_for(self.ws.send(error), 1.0)
+            await asyncio.wait_for(self.ws.close(close_code, message[:120]), 2.0)
+        except (asyncio.TimeoutError, ConnectionClosed):
+            pass
+        if self.ws.transport is not None and not self.ws.transport.is_closing():
+            self.ws.transport.abort()
+
+    async def watchdog(self) -> None:
+        """Slow consumers and idle connections, checked a few times a second."""
+        cfg = self.server.config
+        while self.dropping is None:
+            await asyncio.sleep(min(0.25, cfg.slow_consumer_s / 4, cfg.idle_timeout_s / 4))
+            now = time.monotonic()
+            if self.congested_since is not None and now - self.congested_since > cfg.slow_consumer_s:
+                self.drop("slow_consumer", f"events undelivered above {cfg.outbox_high_bytes} bytes for more "
+                          f"than {cfg.slow_consumer_s:g} s")
+            elif not self.sessions and not self.subscriptions and now - self.last_message > cfg.idle_timeout_s:
+                self.drop("idle_timeout", f"no message for {cfg.idle_timeout_s:g} s and no session or "
+                          "subscription", close_code=1000)
 
     def reply(self, cmd: Command, fut: Future, on_result: Callable[[object], str]) -> None:
         """Await an engine future off the receive loop; send its event or its error."""
 
         async def wait() -> None:
+            self.inflight += 1
+            if self.inflight > self.server.config.max_inflight:
+                self.update_reading()
             try:
                 # shielded: a connection that goes away must not cancel the engine's future
                 # (the engine finishes the work; orphaned sessions are closed, see orphan_check)
@@ -136,6 +250,10 @@ class Connection:
                                            reply_to=cmd.event_id, session_id=cmd.session_id))
             else:
                 self.send(on_result(result))
+            finally:
+                self.inflight -= 1
+                if not self.reading.is_set():
+                    self.update_reading()
 
         task = self.loop.create_task(wait())
         self.tasks.add(task)
@@ -163,9 +281,20 @@ class Connection:
 
     async def run(self) -> None:
         writer = self.loop.create_task(self.writer())
+        watchdog = self.loop.create_task(self.watchdog())
+        cfg = self.server.config
         try:
             while True:
+                if not self.reading.is_set():  # backpressure; a close still ends the wait
+                    resumed = self.loop.create_task(self.reading.wait())
+                    closed = self.loop.create_task(self.ws.wait_closed())
+                    await asyncio.wait({resumed, closed}, return_when=asyncio.FIRST_COMPLETED)
+                    resumed.cancel()
+                    closed.cancel()
                 frame = await self.ws.recv()
+                self.last_message = time.monotonic()
+                if self.dropping is not None:
+                    continue
                 if isinstance(frame, InvalidText):
                     self.send(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
                     continue
@@ -175,6 +304,20 @@ class Connection:
                 except ProtocolError as err:
                     self.send(self.proto.protocol_error(err))
                     continue
+                if not self.messages.take():
+                    self.server.edge["rate_limited"] += 1
+                    self.refuse(cmd, "rate_limited", f"more than {cfg.messages_per_s:g} messages/s (burst "
+                                f"{cfg.messages_burst}) on this connection; the message was not processed")
+                    continue
+                if not self.bytes_in.take(len(frame)):
+                    self.server.edge["rate_limited"] += 1
+                    self.refuse(cmd, "byte_rate_limited", f"more than {cfg.bytes_per_s:g} bytes/s on this "
+                                "connection; the message was not processed")
+                    continue
+                if self.server.shutting_down:
+                    self.send(self.proto.error("shutting_down", "the server is shutting down; reconnect later",
+                                               recoverable=False, reply_to=cmd.event_id, session_id=cmd.session_id))
+                    continue
                 try:
                     self.handlers[cmd.type](cmd)
                 except Exception as exc:  # a bug must cost one request, not the connection
@@ -182,7 +325,12 @@ class Connection:
                     self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
                                                reply_to=cmd.event_id, session_id=cmd.session_id))
         finally:
-            writer.cancel()
+            watchdog.cancel()
+            if self.dropping is None:
+                writer.cancel()
+            else:  # let the writer tell the client why, then close
+                await asyncio.wait({writer}, timeout=5)
+                writer.cancel()
 
     async def cleanup(self) -> None:
         self.closed = True
@@ -216,6 +364,7 @@ class Connection:
         server = self.server
         if server.config.api_keys.enabled:
             if self.key_name is None:
+                server.edge["auth_refused"] += 1
                 self.refuse(cmd, "unauthorized", "session.create needs an API key: send 'Authorization: Bearer "
                             "<key>' (or ?api_key=) when opening the websocket")
                 return
@@ -473,6 +622,10 @@ class StreamerServer:
         self.sessions_by_key: dict[str, int] = {}  # API key name -> live sessions it created
         self.session_keys: dict[str, str] = {}  # session id -> the API key name that created it
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
+        self.shutting_down = False
+        self.edge = dict.fromkeys(("backpressure_pauses", "rate_limited", "slow_consumers_dropped", "idle_closed",
+                                   "auth_refused"), 0)  # edge counters for /metrics
+        self._stopped = False
         self._server: Server | None = None
 
     @property
@@ -489,12 +642,15 @@ class StreamerServer:
             self.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix).start()
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
-            create_connection=LenientConnection, logger=wire_log,
+            create_connection=LenientConnection, logger=wire_log, open_timeout=cfg.open_timeout_s,
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
         log.info("listening on ws://%s:%d (model %s)", cfg.host, self.port, self.engine.runner.name)
         return self
 
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         if self._server is not None:
             self._server.close(close_connections=True)
             await self._server.wait_closed()
@@ -503,6 +659,33 @@ class StreamerServer:
 
     async def serve_forever(self) -> None:
         await self._server.serve_forever()
+
+    async def shutdown(self, grace_s: float | None = None) -> dict:
+        """Graceful stop: accept no new connection or command, give in-flight work up to
+        `grace_s` to finish (its replies are delivered), flush what a store keeps, then close
+        every connection with 1001 (going away). Returns what it did, for the log."""
+        grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.shutting_down = True
+        if self._server is not None:
+            self._server.close(close_connections=False)  # stop listening; keep the open ones
+        deadline = time.monotonic() + grace_s
+        pending = sum(c.inflight for c in self.connections)
+        while any(c.inflight for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        unfinished = sum(c.inflight for c in self.connections)
+        while any(c.outbox_bytes for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # let the writers deliver the last replies
+        store = getattr(self, "store", None)
+        for name in ("flush", "close"):
+            method = getattr(store, name, None)
+            if method is not None:
+                result = method()
+                if asyncio.iscoroutine(result):
+                    await result
+        closing = [asyncio.wait_for(c.ws.close(1001, "server shutting down"), 2.0) for c in list(self.connections)]
+        await asyncio.gather(*closing, return_exceptions=True)
+        await self.stop()
+        return {"connections": len(closing), "in_flight": pending, "unfinished": unfinished}
 
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(self, ws)
@@ -548,13 +731,14 @@ class StreamerServer:
         if path == "/healthz":
             return _json_response(HTTPStatus.OK, self.health())
         if path == "/metrics":
-            body = render_metrics(self.engine.metrics(), len(self.connections)).encode()
+            body = render_metrics(self.engine.metrics(), len(self.connections), self.edge).encode()
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
         if request.headers.get("Upgrade", "").lower() == "websocket":
             key = key_from_request(request.headers, request.path)
             if key is not None and self.config.api_keys.enabled and self.config.api_keys.check(key) is None:
+                self.edge["auth_refused"] += 1
                 return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
             return None
         return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics or a websocket"})
@@ -569,12 +753,30 @@ def _json_response(status: HTTPStatus, body: dict) -> Response:
 
 async def run_server(engine: Engine, config: ServerConfig,
                      on_ready: Callable[[StreamerServer], Awaitable[None] | None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (see StreamerServer.shutdown)."""
     server = await StreamerServer(engine, config).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+            pass
     try:
         if on_ready is not None:
             result = on_ready(server)
             if asyncio.iscoroutine(result):
                 await result
-        await server.serve_forever()
+        await stop.wait()
+        log.info("shutting down: %d connections, up to %g s for in-flight work",
+                 len(server.connections), config.shutdown_grace_s)
+        done = await server.shutdown()
+        log.info("shut down: %(connections)d connections closed, %(in_flight)d requests in flight, "
+                 "%(unfinished)d unfinished", done)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
         await server.stop()

@@ -70,7 +70,7 @@ def test_bad_flash_registrations(tiny_engine):
         assert not tiny_engine.sessions or all(not s.flash for s in tiny_engine.sessions.values())
         sid = await peer.create()
         check_error(await peer.request({"type": "flash.register", "session_id": sid, "question": "q",
-                                        "max_tokens": 1000}), "invalid_field")
+                                        "max_tokens": 1000}), "max_tokens_too_large")
         check_error(await peer.request({"type": "flash.register", "session_id": sid, "question": "q",
                                         "confirm": 0}), "invalid_field")
         await peer.still_serving(sid)

@@ -18,6 +18,7 @@ from streamer.protocol import SCHEMAS, Command, ProtocolError, ProtocolLimits, S
 CODES = {
     P.INVALID_JSON, P.INVALID_UTF8, P.NOT_AN_OBJECT, P.UNKNOWN_TYPE, P.MISSING_FIELD,
     P.INVALID_FIELD, P.UNKNOWN_FIELD, P.MESSAGE_TOO_LARGE, P.UNEXPECTED_BINARY,
+    P.TEXT_TOO_LONG, P.QUESTION_TOO_LONG, P.SYSTEM_PROMPT_TOO_LONG, P.PATTERN_TOO_LONG, P.FLASH_LIMIT,
 }
 
 # One valid message per type, with every field the schema knows (session_id included).
@@ -367,7 +368,7 @@ BAD_BY_KIND = {
     "float": [True, False, "0.5", [], [0.5], {}, 1e999, -1e999],
     "bool": [0, 1, "true", "false", [], {}, 0.0],
     "strlist": ["stop", [""], ["a", ""], [1], [None], [["a"]], [{}], ["a"] * 9, {}, {"a": "b"}, 1, True],
-    "flashlist": ["q", 1, True, {}, {"question": "q"}, [1], ["q"], [None], [[]], [{"question": "q"}] * 65],
+    "flashlist": ["q", 1, True, {}, {"question": "q"}, [1], ["q"], [None], [[]]],
     "object": ["dual", 1, True, [], [{"mode": "dual"}]],
     "anyobject": ["x", 1, True, [], [{}]],
     "numlist": ["x", 1, [True], ["1"], [None], [1e999], [0.0] * 65, {}],
@@ -655,6 +656,7 @@ def test_default_frame_limit():
     ("input.text.revise", "text", "max_text_chars"),
     ("query.create", "question", "max_question_chars"),
     ("session.create", "system_prompt", "max_system_prompt_chars"),
+    ("action.rule", "pattern", "max_pattern_chars"),
 ])
 def test_per_field_character_limits(kind, name, limit):
     assert SCHEMAS[kind][name].limit == limit
@@ -663,20 +665,27 @@ def test_per_field_character_limits(kind, name, limit):
     msg[name] = "ééééé"  # 5 characters, 10 bytes: the limit counts characters
     assert parse(msg, proto)[name] == "ééééé"
     msg[name] = "abcdef"
-    err = fail(msg, P.MESSAGE_TOO_LARGE, proto, param=name)
+    err = fail(msg, P.LIMIT_CODES[limit], proto, param=name)
     assert err.message == f"'{name}' has 6 characters; the limit is 5"
     assert (err.reply_to, err.session_id) == ("e-1", "s-1")
+
+
+def test_flash_list_limit_has_its_own_code():
+    proto = ServerProtocol(ProtocolLimits(max_flash_at_create=2))
+    assert len(parse({"type": "session.create", "flash": [{"question": "q"}] * 2}, proto)["flash"]) == 2
+    err = fail({"type": "session.create", "flash": [{"question": "q"}] * 3}, P.FLASH_LIMIT, proto, param="flash")
+    assert "3 flash questions; the limit is 2" in err.message
 
 
 def test_per_field_default_limits():
     proto = ServerProtocol()
     base = {"type": "query.create", "session_id": "s"}
     assert len(parse({**base, "question": "q" * 8192}, proto)["question"]) == 8192
-    fail({**base, "question": "q" * 8193}, P.MESSAGE_TOO_LARGE, proto, param="question")
+    fail({**base, "question": "q" * 8193}, P.QUESTION_TOO_LONG, proto, param="question")
     base = {"type": "input.text.append", "session_id": "s"}
     assert len(parse({**base, "text": "t" * 256 * 1024}, proto)["text"]) == 256 * 1024
-    fail({**base, "text": "t" * (256 * 1024 + 1)}, P.MESSAGE_TOO_LARGE, proto, param="text")
-    fail({"type": "session.create", "system_prompt": "p" * (16 * 1024 + 1)}, P.MESSAGE_TOO_LARGE, proto,
+    fail({**base, "text": "t" * (256 * 1024 + 1)}, P.TEXT_TOO_LONG, proto, param="text")
+    fail({"type": "session.create", "system_prompt": "p" * (16 * 1024 + 1)}, P.SYSTEM_PROMPT_TOO_LONG, proto,
          param="system_prompt")
 
 

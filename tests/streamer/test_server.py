@@ -195,7 +195,7 @@ def test_engine_limit_errors(tiny_engine):
         peer = await raw(url)
         sid = await peer.create()
         err = check_error(await peer.request({"type": "query.create", "session_id": sid, "question": "q",
-                                              "max_tokens": 10_000}), "invalid_field")
+                                              "max_tokens": 10_000}), "max_tokens_too_large")
         assert "max_tokens" in err["message"]
         err = check_error(await peer.request({"type": "input.text.revise", "session_id": sid, "text": "x"}),
                           "invalid_field")

@@ -1,0 +1,260 @@
+"""Every limit of the service: each has its own error code, and the server keeps serving other
+sessions (and, where the connection survives, the offending session) afterwards."""
+
+import asyncio
+import socket
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from streamer.protocol import ProtocolLimits
+from wsutil import Raw, check_error, raw, serve
+
+
+@pytest.fixture(scope="module")
+def limited_engine(tokenizer):
+    from streamer.sessions.engine import Engine, EngineLimits
+    from streamer.sessions.models import build_tiny_model
+    from streamer.sessions.runner import ModelRunner
+
+    lm = build_tiny_model(tokenizer, seed=11)
+    engine = Engine(ModelRunner(lm.model, tokenizer, lm.name),
+                    EngineLimits(max_context_tokens=400, max_answer_tokens=16, max_question_tokens=24,
+                                 max_flash_per_session=2, max_sessions=8)).start()
+    yield engine
+    engine.stop()
+
+
+async def bystander(url):
+    """Another client with its own session, checked after each offence."""
+    peer = await raw(url)
+    sid = await peer.create()
+    return peer, sid
+
+
+async def survives(bystanders):
+    for peer, sid in bystanders:
+        await peer.still_serving(sid)
+
+
+SMALL = ProtocolLimits(max_message_bytes=4096, max_text_chars=600, max_question_chars=200,
+                       max_system_prompt_chars=100, max_pattern_chars=50, max_flash_at_create=2)
+
+
+@pytest.mark.parametrize("msg,code", [
+    ({"type": "input.text.append", "text": "x" * 601}, "text_too_long"),
+    ({"type": "input.text.revise", "text": "x" * 601}, "text_too_long"),
+    ({"type": "query.create", "question": "q" * 201}, "question_too_long"),
+    ({"type": "query.create", "question": "word " * 100}, "question_too_long"),  # chars fit, tokens do not
+    ({"type": "query.create", "question": "q", "max_tokens": 17}, "max_tokens_too_large"),
+    ({"type": "flash.register", "question": "q", "max_tokens": 17}, "max_tokens_too_large"),
+    ({"type": "flash.register", "question": "word " * 30, "max_tokens": 4}, "question_too_long"),
+    ({"type": "action.rule", "flash_id": "f", "pattern": "p" * 51, "command": {}}, "pattern_too_long"),
+    ({"type": "input.text.append", "text": "y" * 5000}, "message_too_large"),
+])
+def test_session_limits(limited_engine, msg, code):
+    async def test(url, server):
+        others = [await bystander(url)]
+        peer = await raw(url)
+        sid = await peer.create()
+        if code == "message_too_large":  # refused before parsing: the error cannot name the message
+            await peer.send({**msg, "session_id": sid})
+            check_error(await peer.recv(), code)
+        else:
+            check_error(await peer.request({**msg, "session_id": sid}), code)
+        await peer.still_serving(sid)
+        await survives(others)
+
+    serve(limited_engine, test, protocol=SMALL)
+
+
+def test_create_limits(limited_engine):
+    async def test(url, server):
+        others = [await bystander(url)]
+        peer = await raw(url)
+        check_error(await peer.request({"type": "session.create", "system_prompt": "s" * 101}), "system_prompt_too_long")
+        check_error(await peer.request({"type": "session.create", "flash": [{"question": "q"}] * 3}), "flash_limit")
+        sid = await peer.create()
+        for i in range(2):
+            assert (await peer.request({"type": "flash.register", "session_id": sid, "question": f"q{i}?",
+                                        "max_tokens": 2}))["type"] == "flash.registered"
+        check_error(await peer.request({"type": "flash.register", "session_id": sid, "question": "third?"}),
+                    "flash_limit")
+        # the engine's session limit: 8 live sessions (bystander + this one + 6 more)
+        extra = [await peer.create() for _ in range(6)]
+        check_error(await peer.request({"type": "session.create"}), "too_many_sessions")
+        for x in extra:
+            await peer.request({"type": "session.close", "session_id": x})
+        await peer.still_serving(sid)
+        await survives(others)
+
+    serve(limited_engine, test, protocol=SMALL)
+
+
+def test_frame_beyond_websocket_limit_closes_only_that_connection(limited_engine):
+    async def test(url, server):
+        others = [await bystander(url)]
+        peer = await raw(url)
+        await peer.send("z" * 70_000)
+        with pytest.raises(ConnectionClosed) as info:
+            await peer.recv(timeout=10)
+        assert info.value.rcvd.code == 1009
+        await survives(others)
+
+    serve(limited_engine, test, max_frame_bytes=65_536)
+
+
+def test_message_rate(limited_engine):
+    async def test(url, server):
+        others = [await bystander(url)]
+        peer = await raw(url)
+        sid = await peer.create()
+        await asyncio.sleep(1.2)  # refill the bucket
+        for i in range(12):
+            await peer.send({"type": "session.get", "session_id": sid, "event_id": f"g{i}"})
+        replies = [await peer.recv() for _ in range(12)]
+        limited = [r for r in replies if r["type"] == "error"]
+        assert limited and all(r["error"]["code"] == "rate_limited" for r in limited)
+        assert sum(r["type"] == "state" for r in replies) >= 5
+        assert server.edge["rate_limited"] >= len(limited)
+        await asyncio.sleep(1.5)  # the rate comes back
+        await peer.still_serving(sid)
+        await survives(others)
+
+    serve(limited_engine, test, messages_per_s=5, messages_burst=5)
+
+
+def test_byte_rate(limited_engine):
+    async def test(url, server):
+        others = [await bystander(url)]
+        peer = await raw(url)
+        sid = await peer.create()
+        await asyncio.sleep(1.0)
+        acks = []
+        for i in range(3):  # ~290 bytes each against a 600-byte burst
+            acks.append(await peer.request({"type": "input.text.append", "session_id": sid, "text": "w " * 100}))
+        assert [a["type"] for a in acks[:2]] == ["input.ack", "input.ack"]
+        check_error(acks[-1], "byte_rate_limited")
+        await asyncio.sleep(2.0)
+        await peer.still_serving(sid)
+        await survives(others)
+
+    serve(limited_engine, test, bytes_per_s=200, bytes_burst=600, max_frame_bytes=600,
+          protocol=ProtocolLimits(max_message_bytes=600))
+
+
+def test_idle_timeout(limited_engine):
+    async def test(url, server):
+        others = [await bystander(url)]
+        idle = await raw(url)
+        err = await idle.recv(timeout=10)
+        check_error(err, "idle_timeout", recoverable=False)
+        with pytest.raises(ConnectionClosed) as info:
+            await idle.recv(timeout=10)
+        assert info.value.rcvd.code == 1000
+        assert server.edge["idle_closed"] >= 1
+        await asyncio.sleep(1.0)  # connections holding a session are not idle
+        await survives(others)
+
+    serve(limited_engine, test, idle_timeout_s=0.6)
+
+
+async def _not_reading(url, **kwargs):
+    """A client whose socket buffer is tiny and who never reads."""
+    host, port = url.removeprefix("ws://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    return Raw(await connect(url, sock=sock, max_queue=1, max_size=None, **kwargs))
+
+
+@pytest.mark.parametrize("role", ["producer", "subscriber"])
+def test_slow_consumer_is_dropped(limited_engine, role, caplog):
+    async def test(url, server):
+        others = [await bystander(url)]
+        owner = await raw(url)
+        created = await owner.request({"type": "session.create"})
+        sid = created["session_id"]
+        await owner.request({"type": "input.text.append", "session_id": sid, "text": "Lighthouse log. " * 20})
+        if role == "producer":
+            slow, target = owner, sid
+        else:
+            slow = await _not_reading(url)
+            await slow.send({"type": "subscribe", "session_id": sid, "token": created["tokens"]["subscriber"]})
+            target = sid
+        if role == "producer":  # the producer itself stops reading: use a fresh connection that does
+            slow = await _not_reading(url)
+            target = await slow.create()
+        peak = 0
+        try:
+            for i in range(3000):  # replies it never reads
+                await asyncio.wait_for(slow.send({"type": "session.get", "session_id": target}), 5)
+                conns = [c for c in server.connections if c.outbox_bytes]
+                peak = max([peak, *[c.outbox_bytes for c in conns]])
+        except (ConnectionClosed, asyncio.TimeoutError):
+            pass
+        for _ in range(100):
+            if server.edge["slow_consumers_dropped"]:
+                break
+            await asyncio.sleep(0.1)
+        assert server.edge["slow_consumers_dropped"] == 1
+        assert peak <= server.config.outbox_max_bytes
+        assert "slow_consumer" in caplog.text
+        await survives(others)
+        if role == "subscriber":
+            await owner.still_serving(sid)  # the session it watched is untouched
+
+    serve(limited_engine, test, send_buffer_bytes=4096, outbox_high_bytes=16_384, outbox_low_bytes=4096,
+          slow_consumer_s=0.5, messages_per_s=10_000, messages_burst=10_000)
+
+
+def test_inflight_backpressure_loses_nothing(limited_engine):
+    async def test(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        for i in range(40):
+            await peer.send({"type": "input.text.append", "session_id": sid, "text": f" part {i}.",
+                             "event_id": f"a{i}"})
+        acks = [await peer.recv() for _ in range(40)]
+        assert [a["reply_to"] for a in acks] == [f"a{i}" for i in range(40)]
+        assert [a["seq"] for a in acks] == list(range(1, 41))
+        assert server.edge["backpressure_pauses"] >= 1
+        state = await peer.request({"type": "session.get", "session_id": sid})
+        assert state["session"]["last_seq"] == 40
+
+    serve(limited_engine, test, max_inflight=2)
+
+
+def test_limits_are_documented():
+    """docs/limits.md lists every limit field with its default (one place for all of them)."""
+    import dataclasses
+    from pathlib import Path
+
+    from streamer.server import ServerConfig
+    from streamer.sessions.engine import EngineLimits
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "limits.md").read_text()
+    for cls in (ProtocolLimits, ServerConfig, EngineLimits):
+        for f in dataclasses.fields(cls):
+            if f.name in ("host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys"):
+                continue
+            assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name} missing from docs/limits.md"
+
+
+def test_cli_limit_overrides(capsys):
+    from streamer.cli import apply_limits
+    from streamer.server import ServerConfig
+    from streamer.sessions.engine import EngineLimits
+
+    config, limits = apply_limits(["messages_per_s=50", "max_text_chars=1000", "max_sessions=3",
+                                   "park_to_disk=true", "kv_budget_bytes=none", "send-buffer-bytes=8192"],
+                                  ServerConfig(), EngineLimits(kv_budget_bytes=5))
+    assert config.messages_per_s == 50.0 and config.protocol.max_text_chars == 1000
+    assert config.send_buffer_bytes == 8192
+    assert limits.max_sessions == 3 and limits.park_to_disk is True and limits.kv_budget_bytes is None
+    for bad in ("nope=1", "messages_per_s", "max_sessions=x", "max_sessions=-1", "park_to_disk=maybe"):
+        with pytest.raises(ValueError, match="--limit"):
+            apply_limits([bad], ServerConfig(), EngineLimits())
+    assert apply_limits(["help"], ServerConfig(), EngineLimits()) == (None, None)
+    assert "messages_per_s = 200.0  (server)" in capsys.readouterr().out
