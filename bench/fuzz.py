@@ -1,0 +1,312 @@
+"""Fuzz the protocol core, and optionally a live server, with random and mutated messages.
+
+    python bench/fuzz.py                      # 100,000 inputs against the sans-I/O core
+    python bench/fuzz.py --n 10000 --live 2000  # plus 2,000 over a real socket (tiny model)
+
+Inputs: well-formed messages built from the schemas, then mutated (fields dropped, added,
+retyped, oversized, unicode edge cases, deep nesting, extreme numbers), byte-level mutations
+of their JSON (flips, truncation, splices, duplication), random bytes, and binary frames with
+media-style headers. The oracle: every input either parses into a command of a known type or
+raises a ProtocolError whose code is listed in docs/protocol.md, recoverable, within a time
+bound; anything else is a crash. Live mode also requires that every error event carries a
+documented code, that no `internal_error` appears, and that the session still answers after.
+Last line: `RESULT fuzzed=<n> crashes=<n>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from streamer.protocol import SCHEMAS, Command, ProtocolError, ProtocolLimits, ServerProtocol  # noqa: E402
+
+
+def documented_codes() -> set[str]:
+    """Error codes in the table of docs/protocol.md (first column)."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    table = text[text.index("| code | when |"):]
+    codes: set[str] = set()
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        codes.update(re.findall(r"`([a-z0-9_]+)`", line.split("|")[1]))
+    return codes
+
+
+WEIRD_STRINGS = ["", " ", "\x00", "\u2028", "\ud800", "\udfff", "é" * 3, "🦜" * 4, "a\u200bb", "\x7f", "\\", '"',
+                 "{}", "null", "𝔘𝔫𝔦", "\r\n", "x" * 70, "x" * 5000, "\t", "%s%n", "../../etc/passwd", "<script>"]
+WEIRD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, -2**63, 2**64 + 1, 10**400, 0.5, -0.0, 1e308, 1e-308,
+                [], {}, [None], {"a": 1}, [[[]]], "1", "true", 1.5, -7, [1.0] * 70, {"type": "x"}]
+KIND_VALUES = {
+    "str": ["hello", "What is the tide?", "ünïcode ✓"],
+    "id": ["s-1", "abc", "x" * 64],
+    "int": [0, 1, 5, 100, 10_000],
+    "float": [0.0, 0.7, 1.0, 2.5],
+    "bool": [True, False],
+    "strlist": [["stop"], [], ["a", "b"]],
+    "numlist": [[0.0, 1.0], [], [3.0]],
+    "anyobject": [{"cmd": "go"}, {}],
+    "object": [{"mode": "dual"}, {"mode": "off"}, {"mode": "interleaved", "every_tokens": 8}],
+    "flashlist": [[{"question": "Is it raining?"}], []],
+}
+
+
+def valid_message(rng: random.Random, session_ids: list[str]) -> dict:
+    kind = rng.choice(sorted(SCHEMAS))
+    msg: dict = {"type": kind}
+    if rng.random() < 0.5:
+        msg["event_id"] = f"e{rng.randrange(1000)}"
+    for name, spec in SCHEMAS[kind].items():
+        if not spec.required and rng.random() < 0.5:
+            continue
+        if name == "session_id":
+            msg[name] = rng.choice(session_ids)
+        else:
+            msg[name] = rng.choice(KIND_VALUES[spec.kind])
+    return msg
+
+
+def mutate_message(rng: random.Random, msg: dict) -> dict:
+    msg = dict(msg)
+    for _ in range(rng.randint(1, 3)):
+        op = rng.randrange(7)
+        keys = list(msg)
+        if op == 0 and keys:
+            msg.pop(rng.choice(keys))
+        elif op == 1:
+            msg[rng.choice(["extra", "Type", "session", "tokens", "__proto__", "type "])] = rng.choice(WEIRD_VALUES)
+        elif op == 2 and keys:
+            msg[rng.choice(keys)] = rng.choice(WEIRD_VALUES)
+        elif op == 3 and keys:
+            msg[rng.choice(keys)] = rng.choice(WEIRD_STRINGS)
+        elif op == 4:
+            msg["type"] = rng.choice([*SCHEMAS, "session.create ", "SESSION.CREATE", "", "input", "query.*"])
+        elif op == 5 and keys:
+            depth = rng.randint(1, 3000)
+            msg[rng.choice(keys)] = json.loads("[" * min(depth, 500) + "]" * min(depth, 500))
+        else:
+            name = rng.choice(keys) if keys else "text"
+            msg[name] = "w" * rng.choice([1, 1000, 9000, 300_000])
+    return msg
+
+
+def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(6)
+        if op == 0 and b:
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif op == 1 and b:
+            del b[rng.randrange(len(b)):]
+        elif op == 2:
+            pos = rng.randrange(len(b) + 1)
+            b[pos:pos] = rng.choice([b"\xff", b"\x00", b'"', b"{", b"}", b"\\u", b"\xed\xa0\x80", b"NaN", b"1e999",
+                                     b"-", b",", b":"])
+        elif op == 3 and b:
+            i, j = sorted(rng.randrange(len(b)) for _ in range(2))
+            b[i:i] = b[i:j]
+        elif op == 4:
+            b = bytearray(rng.randbytes(rng.randint(0, 64)))
+        else:
+            b = bytearray(b.replace(b'"type"', b'"type","type"', 1) if rng.random() < 0.5 else b.upper())
+    return bytes(b)
+
+
+def media_frame(rng: random.Random, session_ids: list[str]) -> bytes:
+    """A binary frame in the media layout (4-byte header length, JSON header, payload), mutated."""
+    header = {"session_id": rng.choice(session_ids), "kind": rng.choice(["video", "image", "audio", "text", 5]),
+              "format": rng.choice(["mp4", "webm", "mpegts", "jpeg", "png", "pcm_s16le", "opus", "aac", "gif", ""]),
+              "seq": rng.choice([1, 0, -1, 2**70, "1"]), "ts": rng.choice([0.0, 1.5, -1.0, "now", None])}
+    if rng.random() < 0.5:
+        header.update(sample_rate=rng.choice([16000, 0, -5, 48000.5]), channels=rng.choice([1, 2, 0, 300]))
+    for key in rng.sample(list(header), k=rng.randint(0, 2)):
+        header.pop(key)
+    raw_header = json.dumps(header).encode()
+    if rng.random() < 0.3:
+        raw_header = mutate_bytes(rng, raw_header)
+    length = len(raw_header) if rng.random() < 0.8 else rng.choice([0, 1, 2**32 - 1, len(raw_header) + 9])
+    payload = rng.randbytes(rng.choice([0, 1, 16, 4096]))
+    frame = struct.pack(">I", length) + raw_header + payload
+    return frame[: rng.randrange(len(frame) + 1)] if rng.random() < 0.1 else frame
+
+
+def generate(rng: random.Random, session_ids: list[str]) -> str | bytes:
+    """One fuzz input: a text frame (str or raw bytes sent as text) or a binary frame (bytes)."""
+    r = rng.random()
+    if r < 0.25:
+        return json.dumps(valid_message(rng, session_ids))
+    if r < 0.6:
+        return json.dumps(mutate_message(rng, valid_message(rng, session_ids)))
+    if r < 0.85:
+        return mutate_bytes(rng, json.dumps(valid_message(rng, session_ids)).encode())
+    if r < 0.95:
+        return media_frame(rng, session_ids)
+    return rng.randbytes(rng.randint(0, 256))
+
+
+def check_core(proto: ServerProtocol, data, codes: set[str], binary: bool, time_limit_s: float = 2.0,
+               outcomes: dict | None = None) -> str | None:
+    """None when the outcome is allowed; otherwise a description of the crash."""
+    start = time.perf_counter()
+    try:
+        cmd = proto.receive_binary(data) if binary else proto.receive_text(data)
+    except ProtocolError as err:
+        if outcomes is not None:
+            outcomes[err.code] = outcomes.get(err.code, 0) + 1
+        if err.code not in codes:
+            return f"undocumented code {err.code!r}: {err.message}"
+        if not err.recoverable or not err.message:
+            return f"{err.code} not recoverable or without a message"
+        proto.protocol_error(err)  # the error event must serialize
+    except Exception:
+        return "exception: " + traceback.format_exc(limit=3)
+    else:
+        if outcomes is not None:
+            outcomes["ok"] = outcomes.get("ok", 0) + 1
+        if not isinstance(cmd, Command) or cmd.type not in SCHEMAS and not cmd.type.startswith("input.media"):
+            return f"parsed into an unknown command {cmd!r}"
+    if time.perf_counter() - start > time_limit_s:
+        return f"took {time.perf_counter() - start:.2f} s"
+    return None
+
+
+def fuzz_core(n: int, seed: int = 0, report=print, outcomes: dict | None = None) -> tuple[int, list[str]]:
+    codes = documented_codes()
+    rng = random.Random(seed)
+    proto = ServerProtocol(ProtocolLimits(max_message_bytes=256 * 1024, max_text_chars=200_000))
+    crashes: list[str] = []
+    for i in range(n):
+        data = generate(rng, ["s-1", "s-2", "", "x" * 65])
+        binary = isinstance(data, bytes) and rng.random() < 0.5
+        problem = check_core(proto, data, codes, binary, outcomes=outcomes)
+        if problem is None and isinstance(data, bytes) and not binary:
+            try:  # the same bytes as a decoded text frame, when they decode
+                problem = check_core(proto, data.decode("utf-8"), codes, False)
+            except UnicodeDecodeError:
+                pass
+        if problem is not None:
+            crashes.append(f"input {i}: {problem} <- {data[:200]!r}")
+        if report and (i + 1) % 20_000 == 0:
+            report(f"  core: {i + 1}/{n} inputs, {len(crashes)} crashes")
+    return n, crashes
+
+
+async def fuzz_live(n: int, seed: int = 1, report=print, outcomes: dict | None = None) -> tuple[int, list[str]]:
+    """Mutated messages over a real socket to a real server on a tiny model."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from websockets.asyncio.client import connect
+
+    from streamer.server import ServerConfig, StreamerServer
+    from streamer.sessions.engine import Engine, EngineLimits
+    from transformers import AutoTokenizer
+
+    from streamer.sessions.models import build_tiny_model, embedded_model_dir
+    from streamer.sessions.runner import ModelRunner
+
+    codes = documented_codes()
+    lm = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=3)
+    engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name),
+                    EngineLimits(max_context_tokens=512, max_answer_tokens=8, max_sessions=16)).start()
+    server = await StreamerServer(engine, ServerConfig(port=0, messages_per_s=1e6, messages_burst=10**6,
+                                                       protocol=ProtocolLimits(max_message_bytes=64 * 1024))).start()
+    url = f"ws://127.0.0.1:{server.port}"
+    rng = random.Random(seed)
+    crashes: list[str] = []
+    try:
+        ws = await connect(url, max_size=None)
+        await ws.send(json.dumps({"type": "session.create", "event_id": "setup"}))
+        sid = json.loads(await ws.recv())["session_id"]
+        sent = 0
+        for i in range(n):
+            data = generate(rng, [sid, sid, sid, "nope"])
+            if isinstance(data, str) and len(data) > 60_000:
+                continue
+            try:
+                await ws.send(data)  # bytes go as binary frames, str as text frames
+            except Exception as exc:
+                crashes.append(f"live input {i}: send failed: {exc!r}")
+                break
+            sent += 1
+            while True:  # drain what has arrived, without waiting for replies that may never come
+                try:
+                    raw = await asyncio.wait_for(ws.recv(), 0.001 if i % 50 else 0.5)
+                except asyncio.TimeoutError:
+                    break
+                event = json.loads(raw)
+                if outcomes is not None:
+                    key = event["error"]["code"] if event["type"] == "error" else event["type"]
+                    outcomes[key] = outcomes.get(key, 0) + 1
+                if event["type"] == "error":
+                    code = event["error"]["code"]
+                    if code not in codes or code == "internal_error":
+                        crashes.append(f"live input {i}: error {code}: {event['error']['message']}")
+                if event.get("session_id") == sid and (event["type"] == "session.closed" or event.get("ended")):
+                    sid = "pending"  # the fuzz closed or ended it: go on with a fresh session
+                    await ws.send(json.dumps({"type": "session.create", "event_id": "again"}))
+                if event["type"] == "session.created" and event.get("reply_to") == "again":
+                    sid = event["session_id"]
+            if report and (i + 1) % 1000 == 0:
+                report(f"  live: {i + 1}/{n} inputs, {len(crashes)} crashes")
+        # the fuzzing connection goes (its sessions close with it); the server still serves
+        await ws.close()
+        for _ in range(200):
+            if not server.connections:
+                break
+            await asyncio.sleep(0.05)
+        probe = await connect(url)
+        await probe.send(json.dumps({"type": "session.create"}))
+        created = json.loads(await asyncio.wait_for(probe.recv(), 60))
+        if created["type"] != "session.created":
+            crashes.append(f"server refused a new session after the live fuzz: {created}")
+        else:
+            await probe.send(json.dumps({"type": "input.text.append", "session_id": created["session_id"],
+                                         "text": "still here"}))
+            ack = json.loads(await asyncio.wait_for(probe.recv(), 60))
+            if ack["type"] != "input.ack":
+                crashes.append(f"server stopped serving after the live fuzz: {ack}")
+        await probe.close()
+    finally:
+        await server.stop()
+        engine.stop()
+    return sent, crashes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=100_000, help="inputs against the protocol core")
+    parser.add_argument("--live", type=int, default=0, help="inputs over a socket to a real server")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    outcomes: dict[str, int] = {}
+    fuzzed, crashes = fuzz_core(args.n, args.seed, outcomes=outcomes)
+    print(f"core: {fuzzed} inputs in {time.perf_counter() - t0:.1f} s, {len(crashes)} crashes")
+    print("  outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1])))
+    if args.live:
+        t1 = time.perf_counter()
+        live_outcomes: dict[str, int] = {}
+        live, live_crashes = asyncio.run(fuzz_live(args.live, args.seed + 1, outcomes=live_outcomes))
+        print(f"live: {live} inputs in {time.perf_counter() - t1:.1f} s, {len(live_crashes)} crashes")
+        print("  events: " + ", ".join(f"{k}={v}" for k, v in sorted(live_outcomes.items(), key=lambda kv: -kv[1])))
+        fuzzed += live
+        crashes += live_crashes
+    for crash in crashes[:20]:
+        print(crash)
+    print(f"RESULT fuzzed={fuzzed} crashes={len(crashes)}")
+    return 1 if crashes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
