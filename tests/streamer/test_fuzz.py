@@ -4,6 +4,7 @@ error code, no hang (bench/fuzz.py runs longer campaigns)."""
 
 import asyncio
 import importlib.util
+import sys
 import json
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from hypothesis import strategies as st
 
 from streamer.protocol import SCHEMAS, ProtocolError, ServerProtocol
 
-_spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[2] / "bench" / "fuzz.py")
+_spec = importlib.util.spec_from_file_location("bench_fuzz", Path(__file__).resolve().parents[2] / "bench" / "fuzz.py")
 fuzz = importlib.util.module_from_spec(_spec)
+sys.modules["bench_fuzz"] = fuzz  # dataclasses look their module up
 _spec.loader.exec_module(fuzz)
 CODES = fuzz.documented_codes()
 

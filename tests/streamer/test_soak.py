@@ -1,0 +1,24 @@
+"""A short soak in CI: several sessions for a minute with mixed traffic (bench/soak.py runs
+longer ones). Zero errors; after every session closes nothing of them is left and memory is
+back near its baseline (RSS after a warm-up session; the allowance covers allocator noise,
+not per-session state: 30 MB against the ~5-10 MB one session's traffic moves)."""
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("bench_soak", Path(__file__).resolve().parents[2] / "bench" / "soak.py")
+soak = importlib.util.module_from_spec(_spec)
+sys.modules["bench_soak"] = soak  # dataclasses look their module up
+_spec.loader.exec_module(soak)
+
+
+def test_one_minute_soak(embedded):
+    lines = []
+    result = asyncio.run(soak.soak(sessions=4, minutes=1.0, model="tiny", seed=1, report=lines.append))
+    print("\n".join(lines))
+    assert result["errors"] == 0, result["error_samples"]
+    assert result["sessions_run"] >= 4 and result["ops"]["query"] > 5 and result["ops"]["append"] > 20
+    assert result["sessions_left"] == 0 and result["objects_left"] == 0
+    assert result["mem_growth_mb"] < 30, result
