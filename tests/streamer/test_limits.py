@@ -258,3 +258,41 @@ def test_cli_limit_overrides(capsys):
             apply_limits([bad], ServerConfig(), EngineLimits())
     assert apply_limits(["help"], ServerConfig(), EngineLimits()) == (None, None)
     assert "messages_per_s = 200.0  (server)" in capsys.readouterr().out
+
+
+def _read_until_eof(sock, timeout):
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_handshake_timeout_and_dead_peer_keepalive(limited_engine):
+    """A TCP peer that never completes the handshake, and one that completes it but never
+    answers a ping, are both closed; a live client on the same server keeps working."""
+    import base64
+    import os
+
+    async def test(url, server):
+        others = [await bystander(url)]
+        host, port = url.removeprefix("ws://").split(":")
+        silent = socket.create_connection((host, int(port)))
+        deaf = socket.create_connection((host, int(port)))
+        key = base64.b64encode(os.urandom(16)).decode()
+        deaf.sendall((f"GET / HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        loop = asyncio.get_running_loop()
+        # both reads run in threads: the server must close each socket for them to return
+        silent_data, deaf_data = await asyncio.gather(loop.run_in_executor(None, _read_until_eof, silent, 20),
+                                                      loop.run_in_executor(None, _read_until_eof, deaf, 20))
+        assert silent_data == b"" or b"HTTP" not in silent_data[:4]
+        assert deaf_data.startswith(b"HTTP/1.1 101")  # upgraded, then pinged (0x89) and dropped
+        assert b"\x89" in deaf_data[deaf_data.index(b"\r\n\r\n"):]
+        silent.close()
+        deaf.close()
+        await survives(others)
+
+    serve(limited_engine, test, open_timeout_s=0.5, ping_interval=0.3, ping_timeout=0.3)
