@@ -255,8 +255,11 @@ async def fuzz_live(n: int, seed: int = 1, report=print, outcomes: dict | None =
                 if event.get("session_id") == sid and (event["type"] == "session.closed" or event.get("ended")):
                     sid = "pending"  # the fuzz closed or ended it: go on with a fresh session
                     await ws.send(json.dumps({"type": "session.create", "event_id": "again"}))
-                if event["type"] == "session.created" and event.get("reply_to") == "again":
-                    sid = event["session_id"]
+                if event["type"] == "session.created":
+                    if event.get("reply_to") == "again":
+                        sid = event["session_id"]
+                    else:  # one the fuzz created: close it, so the session limit is not what it tests
+                        await ws.send(json.dumps({"type": "session.close", "session_id": event["session_id"]}))
             if report and (i + 1) % 1000 == 0:
                 report(f"  live: {i + 1}/{n} inputs, {len(crashes)} crashes")
         # the fuzzing connection goes (its sessions close with it); the server still serves
