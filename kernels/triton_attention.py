@@ -53,7 +53,7 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     item = tl.load(TILE + pid * 2).to(tl.int64)
@@ -78,6 +78,8 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
     d_ok = d < D
     q = tl.load(Q + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -100,6 +102,9 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
             kv_off = n_idx[:, None].to(tl.int64) * tok_stride + d[None, :]
             k = tl.load(k_base + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_base + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -158,6 +163,11 @@ def _merge_kernel(O, OP, LP, MTOK, NSLOT, LSE, stride_ot, stride_oh, stride_ps, 
     tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
         tl.store(LSE + pid * tl.num_programs(1) + h, tl.where(total > 0.0, m_use + tl.log(total), float("-inf")))
+
+
+# Triton's interpreter multiplies bf16 operands of tl.dot as their raw 16-bit integers; under it
+# bf16 tiles are widened to fp32 before the dot (the compiled GPU path keeps bf16 tensor cores).
+_INTERPRETED = type(_attention_kernel).__name__ == "InterpretedFunction"
 
 
 @dataclass(slots=True)
@@ -304,7 +314,8 @@ class AttentionPlan:
             n_q = len(flat)
             splits = self._splits(total, n_q) if may_split else 1
             chunk = -(-max(total, 1) // splits)
-            chunk = -(-chunk // self.block_n) * self.block_n
+            if not self.split_tokens:  # whole tiles per item
+                chunk = -(-chunk // self.block_n) * self.block_n
             splits = max(1, -(-total // chunk))
             direct = int(may_direct and splits == 1)
             for s in range(splits):
@@ -405,7 +416,8 @@ class AttentionPlan:
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
                 G=self.group, D=dim, BLOCK_D=block_d, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-                IEEE=query.dtype == torch.float32, num_warps=4, num_stages=2)
+                IEEE=query.dtype == torch.float32, UPCAST=query.dtype == torch.bfloat16 and _INTERPRETED,
+                num_warps=4, num_stages=2)
         lse = None
         if self.n_merge and merge:
             lse = torch.empty((self.n_merge, heads), dtype=torch.float32, device=query.device) if return_lse else out
