@@ -253,9 +253,10 @@ class AttentionPlan:
         self._add(_Request([list(t) for t in tokens], list(shared), [list(o) for o in own]))
 
     def partial(self, tokens, ranges: list[KVRange], slot: int) -> None:
-        """Tokens over `ranges` (never split) into partial slot `slot`: the building block of
-        the unfused form, where each range is its own launch into shared partial buffers
-        (`run(partials=..., merge=False)`) and a last plan merges slots `[0, slot]`."""
+        """Tokens over `ranges` into partial slots from `slot` on (one per split; `n_slots`
+        after `build` is one past the last): the building block of the unfused form, where
+        each range is its own launch into shared partial buffers (`run(partials=...,
+        merge=False)`) and the last plan's run merges every slot below its own end."""
         self._add(_Request([list(tokens)], [], [list(ranges)], fused=False, slot0=slot))
 
     def _add(self, request: _Request) -> None:
@@ -304,15 +305,14 @@ class AttentionPlan:
                 base += r.length
             return lo, len(segs), base
 
-        def add_items(token_lists: list[list[int]], ranges: list[KVRange], slot0: int, may_direct: bool,
-                      may_split: bool = True) -> int:
+        def add_items(token_lists: list[list[int]], ranges: list[KVRange], slot0: int, may_direct: bool) -> int:
             """Items for the stacked `token_lists` over `ranges`; returns the slots they take."""
             seg_lo, seg_hi, total = add_segments(ranges)
             flat = [t for ts in token_lists for t in ts]
             q_lo = len(qtok)
             qtok.extend(flat)
             n_q = len(flat)
-            splits = self._splits(total, n_q) if may_split else 1
+            splits = self._splits(total, n_q)
             chunk = -(-max(total, 1) // splits)
             if not self.split_tokens:  # whole tiles per item
                 chunk = -(-chunk // self.block_n) * self.block_n
@@ -325,9 +325,9 @@ class AttentionPlan:
         for req in self.requests:
             all_tokens = [t for ts in req.tokens for t in ts]
             if not req.fused:
-                add_items(req.tokens, req.own[0], req.slot0, False, may_split=False)
+                n = add_items(req.tokens, req.own[0], req.slot0, False)
                 for t in all_tokens:
-                    slots[t] = max(slots.get(t, 0), req.slot0 + 1)
+                    slots[t] = max(slots.get(t, 0), req.slot0 + n)
                 continue
             dup = tokens_seen.intersection(all_tokens)
             if dup or len(set(all_tokens)) != len(all_tokens):
