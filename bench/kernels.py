@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=CHUNK, help="new tokens per session in prefill")
     parser.add_argument("--thinking", type=int, default=THINKING, help="thinking-range tokens in two-range")
     args = parser.parse_args(argv)
-    global CHUNK, THINKING
-    CHUNK, THINKING = args.chunk, args.thinking
+    globals().update(CHUNK=args.chunk, THINKING=args.thinking)
     args.dtype = getattr(torch, args.dtype)
     if not torch.cuda.is_available():
         print("no CUDA GPU found: the Triton kernels are benchmarked only on a CUDA device "
