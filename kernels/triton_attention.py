@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-SEG_FIELDS = 9  # k_addr, v_addr, layer_stride, head_stride, tok_stride, length, diag, base, (pad)
+SEG_FIELDS = 9  # k_addr, v_addr, layer_stride, head_stride, tok_stride (= head_dim), length, diag, base, (pad)
 ITEM_FIELDS = 8  # q_lo, n_q, seg_lo, seg_hi, kv_lo, kv_hi, slot, direct
 NO_DIAG = 1 << 50  # causal_start of a range every query sees in full
 LN2 = math.log(2.0)
@@ -53,7 +53,8 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     item = tl.load(TILE + pid * 2).to(tl.int64)
@@ -90,7 +91,9 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
         layer_off = layer * tl.load(sg + 2) + kvh * tl.load(sg + 3)
         k_base = tl.load(sg + 0).to(tl.pointer_type(elem)) + layer_off
         v_base = tl.load(sg + 1).to(tl.pointer_type(elem)) + layer_off
-        tok_stride = tl.load(sg + 4)
+        if ALIGNED:  # every range starts 16-byte aligned (checked on the host): vector loads
+            k_base = tl.multiple_of(k_base, 16)
+            v_base = tl.multiple_of(v_base, 16)
         length = tl.load(sg + 5)
         diag = tl.load(sg + 6)
         base = tl.load(sg + 7)
@@ -99,7 +102,7 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
         for start in range(lo, hi, BLOCK_N):
             n_idx = start + tl.arange(0, BLOCK_N)
             n_ok = n_idx < hi
-            kv_off = n_idx[:, None].to(tl.int64) * tok_stride + d[None, :]
+            kv_off = n_idx[:, None].to(tl.int64) * D + d[None, :]  # tokens are D apart (checked on the host)
             k = tl.load(k_base + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_base + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
@@ -192,8 +195,8 @@ class KVRange:
                              f"{tuple(self.k.shape)} and {tuple(self.v.shape)}")
         if self.length > self.k.shape[1]:
             raise ValueError(f"a KV range of {self.length} tokens over a buffer of {self.k.shape[1]} slots")
-        if self.k.stride() != self.v.stride() or self.k.stride(2) != 1:
-            raise ValueError("k and v must share strides, with head_dim contiguous")
+        if self.k.stride() != self.v.stride() or self.k.stride(2) != 1 or self.k.stride(1) != self.k.shape[2]:
+            raise ValueError("k and v must share strides, with head_dim contiguous and tokens head_dim apart")
 
 
 @dataclass(slots=True)
@@ -346,6 +349,10 @@ class AttentionPlan:
                 slots.update((t, n_shared + n_own) for t in ts)
 
         self.dtype = dtype
+        elem = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
+        self.aligned = (self.head_dim * elem) % 16 == 0 and all(
+            seg[0] % 16 == 0 and seg[1] % 16 == 0 and (seg[2] * elem) % 16 == 0 and (seg[3] * elem) % 16 == 0
+            for seg in segs)
         tiles = [[i, m] for i, it in enumerate(items) for m in range(self._m_tiles(it[1], self.block_m))]
         dev = self.device
         self.n_segments, self.n_items, self.n_tiles = len(segs), len(items), len(tiles)
@@ -417,6 +424,7 @@ class AttentionPlan:
                 op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
                 G=self.group, D=dim, BLOCK_D=block_d, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
                 IEEE=query.dtype == torch.float32, UPCAST=query.dtype == torch.bfloat16 and _INTERPRETED,
+                ALIGNED=self.aligned,
                 num_warps=4, num_stages=2)
         lse = None
         if self.n_merge and merge:

@@ -105,17 +105,18 @@ def engine_answers(engine):
     depends on the attention: answers, flash answers, notes, and the caches."""
     out = {"answers": []}
     plain = engine.create_session(SYSTEM).result()["session_id"]
-    dual = engine.create_session(SYSTEM, thinking={"mode": "dual", "unit_tokens": 6, "stop": "budget"}).result()
+    dual = engine.create_session(SYSTEM, thinking={"mode": "dual", "unit_tokens": 5, "stop": "budget"}).result()
     dual = dual["session_id"]
-    engine.register_flash(plain, "Who keeps the light?", max_tokens=6).result()
-    engine.register_flash(plain, "What is the cat called?", max_tokens=6).result()
-    for chunk in CHUNKS:
+    engine.register_flash(plain, "Who keeps the light?", max_tokens=5).result()
+    engine.register_flash(plain, "What is the cat called?", max_tokens=5).result()
+    for chunk in CHUNKS:  # both sessions' work packs into shared steps; each waits for its notes
         for sid in (plain, dual):
             engine.append(sid, chunk).result()
+        for sid in (plain, dual):
             wait_idle(engine, sid)
-    for sid in (plain, dual):
-        result = engine.query(sid, "What broke in the storm?", SamplingParams(max_tokens=8)).future.result()
-        out["answers"].append((result.tokens, engine.sessions[sid].cache.snapshot()))
+    handles = [engine.query(sid, "What broke in the storm?", SamplingParams(max_tokens=6)) for sid in (plain, dual)]
+    for sid, handle in zip((plain, dual), handles):
+        out["answers"].append((handle.future.result().tokens, engine.sessions[sid].cache.snapshot()))
     out["flash"] = [q.answer.tokens for q in engine.sessions[plain].flash.values()]
     out["notes"] = [u.text for u in engine.sessions[dual].thinking.units]
     out["thinking_cache"] = engine.sessions[dual].thinking.cache.snapshot()
