@@ -34,6 +34,7 @@ run them on the CPU (tests do, in tests/kernels/conftest.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -49,7 +50,7 @@ LOG2E = 1.0 / LN2
 
 
 @triton.jit
-def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
+def _attention_kernel(Q, OUT, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -131,8 +132,8 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
     out = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
     if direct != 0:
-        tl.store(O + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=mask)
+        tl.store(OUT + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=mask)
     else:
         lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         slot64 = slot.to(tl.int64)
@@ -142,7 +143,7 @@ def _attention_kernel(Q, O, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
 
 
 @triton.jit
-def _merge_kernel(O, OP, LP, MTOK, NSLOT, LSE, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
+def _merge_kernel(OUT, OP, LP, MTOK, NSLOT, LSE, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
                   stride_ls, stride_lt, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   WRITE_LSE: tl.constexpr):
     """Combine the partial results of one (token, head) by their log-sum-exps."""
@@ -163,7 +164,7 @@ def _merge_kernel(O, OP, LP, MTOK, NSLOT, LSE, stride_ot, stride_oh, stride_ps, 
     parts = tl.load(OP + s[:, None].to(tl.int64) * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(parts * w[:, None], 0)
-    tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(OUT + t * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
         tl.store(LSE + pid * tl.num_programs(1) + h, tl.where(total > 0.0, m_use + tl.log(total), float("-inf")))
 
@@ -208,6 +209,74 @@ class _Request:
     slot0: int = 0  # first partial slot (separate calls of the two-call form)
 
 
+@functools.lru_cache(maxsize=None)
+class _Layout:
+    """A plan's host-side tables while they are built: segments (ranges), items (query rows x
+    a slice of their ranges' keys), the packed token of every item row, and the partial slots
+    each merged token has."""
+
+    def __init__(self, plan: "AttentionPlan") -> None:
+        self.plan = plan
+        self.segs: list[list[int]] = []
+        self.items: list[list[int]] = []
+        self.qtok: list[int] = []
+        self.slots: dict[int, int] = {}  # packed token -> partial slots written for it
+        self.dtype: torch.dtype | None = None
+
+    def add(self, req: _Request, seen: set[int]) -> None:
+        tokens = [t for ts in req.tokens for t in ts]
+        if not req.fused:  # one call of the unfused form: partials only, other calls share the tokens
+            n = self.add_items(req.tokens, req.own[0], req.slot0, False)
+            self.slots.update((t, max(self.slots.get(t, 0), req.slot0 + n)) for t in tokens)
+            return
+        dup = seen.intersection(tokens)
+        if dup or len(set(tokens)) != len(tokens):
+            raise ValueError(f"query tokens {sorted(dup)[:4]} are planned twice")
+        seen.update(tokens)
+        if sum(r.length for r in req.shared if r.length > 0) == 0:  # nothing shared: plain sequences
+            for ts, own in zip(req.tokens, req.own):
+                n = self.add_items([ts], own, 0, True)
+                if n > 1:
+                    self.slots.update((t, n) for t in ts)
+            return
+        n_shared = self.add_items(req.tokens, req.shared, 0, False)  # once, for every list's queries
+        for ts, own in zip(req.tokens, req.own):
+            n_own = self.add_items([ts], own, n_shared, False)
+            self.slots.update((t, n_shared + n_own) for t in ts)
+
+    def add_segments(self, ranges: list[KVRange]) -> tuple[int, int, int]:
+        """Append the non-empty ranges; returns their index span and total keys."""
+        lo, base = len(self.segs), 0
+        for r in ranges:
+            if r.length <= 0:
+                continue
+            if self.dtype is None:
+                self.dtype = r.k.dtype
+            elif r.k.dtype != self.dtype:
+                raise ValueError(f"KV ranges of mixed dtypes {self.dtype} and {r.k.dtype}")
+            diag = NO_DIAG if r.causal_start is None else r.causal_start
+            self.segs.append([r.k.data_ptr(), r.v.data_ptr(), r.layer_stride, r.k.stride(0), r.k.stride(1),
+                              r.length, diag, base, 0])
+            base += r.length
+        return lo, len(self.segs), base
+
+    def add_items(self, token_lists: list[list[int]], ranges: list[KVRange], slot0: int, may_direct: bool) -> int:
+        """Items for the stacked `token_lists` over `ranges`; returns the partial slots they take."""
+        plan = self.plan
+        seg_lo, seg_hi, total = self.add_segments(ranges)
+        q_lo = len(self.qtok)
+        self.qtok.extend(t for ts in token_lists for t in ts)
+        n_q = len(self.qtok) - q_lo
+        chunk = -(-max(total, 1) // plan._splits(total))
+        if not plan.split_tokens:  # whole tiles per item
+            chunk = -(-chunk // plan.block_n) * plan.block_n
+        splits = max(1, -(-total // chunk))
+        direct = int(may_direct and splits == 1)
+        for s in range(splits):
+            self.items.append([q_lo, n_q, seg_lo, seg_hi, s * chunk, min(total, (s + 1) * chunk), slot0 + s, direct])
+        return splits
+
+
 def device_programs(device: torch.device) -> int:
     """Programs that fill the device: twice its multiprocessor count on CUDA, 0 (never split) elsewhere."""
     if device.type != "cuda":
@@ -235,12 +304,15 @@ class AttentionPlan:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.group = heads // kv_heads
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.split_tokens = split_tokens
         self.target_programs = device_programs(self.device) if target_programs is None else target_programs
         self.block_n = block_n
         self.min_split = min_split
         self.requests: list[_Request] = []
         self._built = False
+        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -281,106 +353,44 @@ class AttentionPlan:
         if self._built:
             return
         self._built = True
-        max_rows = max((len(t) * self.group for r in self.requests for t in r.tokens), default=1)
-        if any(len(r.tokens) > 1 for r in self.requests):  # stacked fork queries
-            max_rows = max(max_rows, max(sum(len(t) for t in r.tokens) * self.group for r in self.requests))
-        self.block_m = 16 if max_rows <= 16 else 64
-        segs: list[list[int]] = []
-        items: list[list[int]] = []  # + per item its token count for tiling
-        qtok: list[int] = []
-        slots: dict[int, int] = {}  # packed token -> partial slots written for it
-        tokens_seen: set[int] = set()
-        dtype = None
-
-        def add_segments(ranges: list[KVRange]) -> tuple[int, int, int]:
-            nonlocal dtype
-            lo, base = len(segs), 0
-            for r in ranges:
-                if r.length <= 0:
-                    continue
-                if dtype is None:
-                    dtype = r.k.dtype
-                elif r.k.dtype != dtype:
-                    raise ValueError(f"KV ranges of mixed dtypes {dtype} and {r.k.dtype}")
-                diag = NO_DIAG if r.causal_start is None else r.causal_start
-                segs.append([r.k.data_ptr(), r.v.data_ptr(), r.layer_stride, r.k.stride(0), r.k.stride(1),
-                             r.length, diag, base, 0])
-                base += r.length
-            return lo, len(segs), base
-
-        def add_items(token_lists: list[list[int]], ranges: list[KVRange], slot0: int, may_direct: bool) -> int:
-            """Items for the stacked `token_lists` over `ranges`; returns the slots they take."""
-            seg_lo, seg_hi, total = add_segments(ranges)
-            flat = [t for ts in token_lists for t in ts]
-            q_lo = len(qtok)
-            qtok.extend(flat)
-            n_q = len(flat)
-            splits = self._splits(total, n_q)
-            chunk = -(-max(total, 1) // splits)
-            if not self.split_tokens:  # whole tiles per item
-                chunk = -(-chunk // self.block_n) * self.block_n
-            splits = max(1, -(-total // chunk))
-            direct = int(may_direct and splits == 1)
-            for s in range(splits):
-                items.append([q_lo, n_q, seg_lo, seg_hi, s * chunk, min(total, (s + 1) * chunk), slot0 + s, direct])
-            return splits
-
+        rows = [sum(len(t) for t in r.tokens) * self.group for r in self.requests]  # stacked forks count whole
+        self.block_m = 16 if max(rows, default=1) <= 16 else 64
+        self._base_programs = max(1, self.kv_heads * sum(-(-n // self.block_m) for n in rows))
+        layout = _Layout(self)
+        seen: set[int] = set()
         for req in self.requests:
-            all_tokens = [t for ts in req.tokens for t in ts]
-            if not req.fused:
-                n = add_items(req.tokens, req.own[0], req.slot0, False)
-                for t in all_tokens:
-                    slots[t] = max(slots.get(t, 0), req.slot0 + n)
-                continue
-            dup = tokens_seen.intersection(all_tokens)
-            if dup or len(set(all_tokens)) != len(all_tokens):
-                raise ValueError(f"query tokens {sorted(dup)[:4]} are planned twice")
-            tokens_seen.update(all_tokens)
-            shared_len = sum(r.length for r in req.shared if r.length > 0)
-            if shared_len == 0:  # nothing shared: each list is a plain sequence
-                for ts, own in zip(req.tokens, req.own):
-                    n = add_items([ts], own, 0, True)
-                    if n > 1:
-                        slots.update((t, n) for t in ts)
-                continue
-            n_shared = add_items(req.tokens, req.shared, 0, False)
-            for ts, own in zip(req.tokens, req.own):
-                n_own = add_items([ts], own, n_shared, False)
-                slots.update((t, n_shared + n_own) for t in ts)
-
-        self.dtype = dtype
-        elem = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
+            layout.add(req, seen)
+        self.dtype = layout.dtype
+        elem = torch.empty((), dtype=self.dtype).element_size() if self.dtype is not None else 1
         self.aligned = (self.head_dim * elem) % 16 == 0 and all(
             seg[0] % 16 == 0 and seg[1] % 16 == 0 and (seg[2] * elem) % 16 == 0 and (seg[3] * elem) % 16 == 0
-            for seg in segs)
-        tiles = [[i, m] for i, it in enumerate(items) for m in range(self._m_tiles(it[1], self.block_m))]
-        dev = self.device
-        self.n_segments, self.n_items, self.n_tiles = len(segs), len(items), len(tiles)
-        self.seg = torch.tensor(segs or [[0] * SEG_FIELDS], dtype=torch.int64).to(dev)
-        self.item = torch.tensor(items or [[0] * ITEM_FIELDS], dtype=torch.int64).to(dev)
-        self.qtok = torch.tensor(qtok or [0], dtype=torch.int32).to(dev)
-        self.tile = torch.tensor(tiles or [[0, 0]], dtype=torch.int32).to(dev)
-        self.n_slots = max(slots.values(), default=0)
-        merge = sorted(slots.items())
-        self.n_merge = len(merge)
-        self.merge_tok = torch.tensor([t for t, _ in merge] or [0], dtype=torch.int32).to(dev)
-        self.merge_slots = torch.tensor([n for _, n in merge] or [0], dtype=torch.int32).to(dev)
-        self.kv_tokens = sum(s[5] for s in segs)  # distinct keys per head read by one layer (bench)
-        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+            for seg in layout.segs)
+        tiles = [[i, m] for i, it in enumerate(layout.items) for m in range(self._m_tiles(it[1], self.block_m))]
+        merge = sorted(layout.slots.items())
+        self.n_segments, self.n_items = len(layout.segs), len(layout.items)
+        self.n_tiles, self.n_merge = len(tiles), len(merge)
+        self.n_slots = max(layout.slots.values(), default=0)
 
-    def _splits(self, total: int, n_q: int) -> int:
-        """How many items one sequence's `total` keys are cut into."""
+        def table(rows: list, empty: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(rows or empty, dtype=dtype).to(self.device)
+
+        self.seg = table(layout.segs, [[0] * SEG_FIELDS], torch.int64)
+        self.item = table(layout.items, [[0] * ITEM_FIELDS], torch.int64)
+        self.qtok = table(layout.qtok, [0], torch.int32)
+        self.tile = table(tiles, [[0, 0]], torch.int32)
+        self.merge_tok = table([t for t, _ in merge], [0], torch.int32)
+        self.merge_slots = table([n for _, n in merge], [0], torch.int32)
+
+    def _splits(self, total: int) -> int:
+        """How many items one sequence's `total` keys are cut into: enough to give the device
+        `target_programs` programs, each at least `min_split` keys (at most 64)."""
         if total <= 0:
             return 1
         if self.split_tokens:
             return max(1, -(-total // self.split_tokens))
-        if not self.target_programs or total < 2 * self.min_split:
+        if not self.target_programs or total < 2 * self.min_split or self._base_programs >= self.target_programs:
             return 1
-        base = sum(self._m_tiles(sum(len(t) for t in r.tokens), self.block_m) for r in self.requests)
-        base = max(1, base * self.kv_heads)
-        if base >= self.target_programs:
-            return 1
-        return max(1, min(-(-self.target_programs // base), total // self.min_split, 64))
+        return max(1, min(-(-self.target_programs // self._base_programs), total // self.min_split, 64))
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -428,12 +438,13 @@ class AttentionPlan:
                 num_warps=4, num_stages=2)
         lse = None
         if self.n_merge and merge:
+            block_s = max(2, triton.next_power_of_2(self.n_slots))
             lse = torch.empty((self.n_merge, heads), dtype=torch.float32, device=query.device) if return_lse else out
             _merge_kernel[(self.n_merge, heads)](
                 out, op, lp, self.merge_tok, self.merge_slots, lse,
                 out.stride(0), out.stride(1), op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
-                D=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(self.n_slots)), WRITE_LSE=return_lse,
-                num_warps=1)
+                D=dim, BLOCK_D=block_d, BLOCK_S=block_s, WRITE_LSE=return_lse,
+                num_warps=1 if block_s * block_d <= 2048 else 4)
         return (out, lse) if return_lse else out
 
     def _partial_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

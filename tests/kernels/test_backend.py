@@ -5,9 +5,7 @@ import time
 
 import pytest
 import torch
-
 from streamer.kernels.backend import ENV_VAR, BackendUnavailable, resolve_backend
-from streamer.sessions.kvcache import KVCache
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.pool import BlockPool, PagedCache
 from streamer.sessions.runner import ModelRunner, SeqStep

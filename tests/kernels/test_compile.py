@@ -24,7 +24,7 @@ strides = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_ps", "str
 results = []
 for arch, dtype, block_m in ((90, "bf16", 16), (90, "fp32", 16), (80, "fp16", 64)):
     if True:
-        signature = {"Q": "*" + dtype, "O": "*" + dtype, "OP": "*fp32", "LP": "*fp32", "SEG": "*i64",
+        signature = {"Q": "*" + dtype, "OUT": "*" + dtype, "OP": "*fp32", "LP": "*fp32", "SEG": "*i64",
                      "ITEM": "*i64", "QTOK": "*i32", "TILE": "*i32", "layer": "i32", "scale_log2": "fp32"}
         signature.update({name: "i64" for name in strides})
         signature.update({name: "constexpr" for name in ("G", "D", "BLOCK_D", "BLOCK_M", "BLOCK_N", "IEEE", "UPCAST",
@@ -36,7 +36,7 @@ for arch, dtype, block_m in ((90, "bf16", 16), (90, "fp32", 16), (80, "fp16", 64
         results.append({"kernel": "attention", "arch": arch, "dtype": dtype, "block_m": block_m,
                         "cubin": len(k.asm["cubin"]), "shared": k.metadata.shared, "mma": "mma" in k.asm["ptx"],
                         "vector_loads": "cp.async.cg.shared.global" in k.asm["ptx"] or "ld.global.v4" in k.asm["ptx"]})
-signature = {"O": "*bf16", "OP": "*fp32", "LP": "*fp32", "MTOK": "*i32", "NSLOT": "*i32", "LSE": "*fp32"}
+signature = {"OUT": "*bf16", "OP": "*fp32", "LP": "*fp32", "MTOK": "*i32", "NSLOT": "*i32", "LSE": "*fp32"}
 signature.update({name: "i64" for name in ("stride_ot", "stride_oh", "stride_ps", "stride_pt", "stride_ph",
                                            "stride_ls", "stride_lt")})
 signature.update({name: "constexpr" for name in ("D", "BLOCK_D", "BLOCK_S", "WRITE_LSE")})

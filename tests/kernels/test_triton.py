@@ -8,9 +8,7 @@ Slots outside every valid range hold huge values, so a read past a range shows.
 
 import pytest
 import torch
-
-from streamer.kernels.reference import (_partial_attention, cache_attention, forked_attention,
-                                        ranges_attention)
+from streamer.kernels.reference import _partial_attention, cache_attention, forked_attention, ranges_attention
 from streamer.kernels.triton_attention import AttentionPlan, KVRange
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3),
