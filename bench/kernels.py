@@ -56,6 +56,16 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * (1 << 31) / t
 
 
+def baseline(fn) -> float | None:
+    """Seconds of a baseline, or None where it does not fit in memory (SDPA's math path with
+    an explicit mask materialises the scores)."""
+    try:
+        return timed(fn)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
 def peak_bandwidth(device: torch.device, copy: float) -> tuple[float, str]:
     """Bytes/s: from the memory clock and bus width when torch reports them, else the measured copy."""
     props = torch.cuda.get_device_properties(device)
@@ -97,8 +107,8 @@ def flash_attn():
 
 
 def report(kind: str, sessions: int, tokens: int, t: float, new_tokens: int, kv_bytes: int,
-           baselines: dict[str, float]) -> None:
-    ratios = " ".join(f"vs_{name}={tb / t:.2f}x" for name, tb in baselines.items())
+           baselines: dict[str, float | None]) -> None:
+    ratios = " ".join(f"vs_{name}={tb / t:.2f}x" if tb else f"vs_{name}=oom" for name, tb in baselines.items())
     print(f"{kind:<13} sessions={sessions:<3} tokens={tokens:<6} time_us={t * 1e6:9.1f} "
           f"tokens_per_s={new_tokens / t:12.0f} GB_per_s={kv_bytes / t / 1e9:8.1f} {ratios}", flush=True)
 
@@ -119,12 +129,12 @@ def bench_decode(args, device, b: int, n: int, fa) -> tuple[float, int]:
     k = torch.stack([pool.dense(i, n)[0] for i in range(b)])  # [b, kvh, n, d]
     v = torch.stack([pool.dense(i, n)[1] for i in range(b)])
     qs = q.unsqueeze(2)  # [b, h, 1, d]
-    base = {"sdpa": timed(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))}
+    base = {"sdpa": baseline(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))}
     if fa is not None:
         kf, vf = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         lens = torch.full((b,), n, dtype=torch.int32, device=device)
         qf = q.unsqueeze(1)
-        base["flash_attn"] = timed(lambda: fa(qf, kf, vf, cache_seqlens=lens))
+        base["flash_attn"] = baseline(lambda: fa(qf, kf, vf, cache_seqlens=lens))
     report("decode", b, n, t, b, kv_bytes, base)
     return t, kv_bytes
 
@@ -183,13 +193,13 @@ def bench_prefill(args, device, b: int, n: int, fa) -> None:
     qs = q.view(b, args.chunk, h, d).transpose(1, 2)
     rows = n + torch.arange(args.chunk, device=device)
     mask = torch.arange(n + args.chunk, device=device)[None, :] <= rows[:, None]
-    base = {"sdpa": timed(lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True))}
+    base = {"sdpa": baseline(lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True))}
     if fa is not None:
         kf, vf = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         lens = torch.full((b,), n, dtype=torch.int32, device=device)  # cached before the chunk
         qf = q.view(b, args.chunk, h, d)
         kc, vc = kf[:, n:].contiguous(), vf[:, n:].contiguous()
-        base["flash_attn"] = timed(lambda: fa(qf, kf, vf, kc, vc, cache_seqlens=lens, causal=True))
+        base["flash_attn"] = baseline(lambda: fa(qf, kf, vf, kc, vc, cache_seqlens=lens, causal=True))
     report("prefill", b, n, t, b * args.chunk, kv_bytes, base)
 
 
@@ -211,7 +221,7 @@ def bench_shared_prefix(args, device, forks: int, n: int) -> None:
     k = torch.stack([torch.cat([pk, pool.dense(1 + i, SUFFIX)[0]], 1) for i in range(forks)])
     v = torch.stack([torch.cat([pv, pool.dense(1 + i, SUFFIX)[1]], 1) for i in range(forks)])
     qs = q.unsqueeze(2)
-    base = {"sdpa_per_question": timed(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))}
+    base = {"sdpa_per_question": baseline(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))}
     report("shared_prefix", forks, n, t, forks, kv_bytes, base)
 
 
