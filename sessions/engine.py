@@ -52,6 +52,7 @@ class EngineLimits:
     park_idle_s: float = 1.0  # a session idle this long may be parked to free blocks
     park_to_disk: bool = False  # park to files under the cache directory instead of host memory
     aging_s: float = 2.0  # a job waiting this long is scheduled one priority class higher (no starvation)
+    attention_backend: str | None = None  # auto | reference | triton; None: $STREAMER_ATTENTION_BACKEND, else auto
 
 
 @dataclass(slots=True)
@@ -94,6 +95,7 @@ class Engine:
         self.stop_ids = stop_token_ids(runner.tokenizer, runner.model)
         if self.limits.admission not in ("refuse", "queue"):
             raise ValueError(f"admission must be 'refuse' or 'queue', got {self.limits.admission!r}")
+        runner.set_attention_backend(self.limits.attention_backend)
         budget = self.limits.kv_budget_bytes or default_budget_bytes(runner.device)
         self.pool = BlockPool(runner.kv_shape, budget, self.limits.block_size)
         self._admission: deque[tuple[float, Callable[[], object], Future]] = deque()  # waiting for memory
@@ -496,7 +498,8 @@ class Engine:
                  for q in list(s.flash.values()) if q.answer is not None]
         return {"stats": self.snapshot_stats(), "pool": self.pool.stats(), "queues": queues,
                 "sessions": sessions, "parked": parked, "flash_staleness_versions_max": max(stale, default=0),
-                "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token}
+                "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token,
+                "attention_backend": self.runner.attention_backend}
 
     def snapshot_stats(self) -> dict:
         s = self.stats

@@ -4,8 +4,10 @@ Hugging Face model definitions run unchanged. We register an attention function 
 transformers' `AttentionInterface`; the model is called with `use_cache=False`, explicit
 `position_ids` and a `StepMetadata` object passed as a keyword argument, which transformers
 hands to every attention call. The attention function writes each layer's new keys/values
-into the sessions' caches at explicit slots and attends over them with the reference kernel.
-No globals carry per-step state, and nothing is monkeypatched.
+into the sessions' caches at explicit slots and attends over them with the runner's attention
+backend: the pure-torch reference, or the fused Triton kernels (`kernels.backend`), which run
+from a plan built once per step from the caches' extents. No globals carry per-step state, and
+nothing is monkeypatched.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamer.kernels import cache_attention, forked_attention, ranges_attention
+from streamer.kernels.backend import plan_step, resolve_backend
 
 from .kvcache import KVCache, KVShape
 
@@ -54,6 +57,8 @@ class SeqStep:
 @dataclass(slots=True)
 class StepMetadata:
     seqs: list[SeqStep] = field(default_factory=list)
+    backend: str = "reference"
+    plan: object = None  # the Triton backend's plan, built at the first layer, reused by the others
 
 
 FORK_SUFFIX_MAX = 128  # own tokens up to which forks of one group are batched together
@@ -84,6 +89,8 @@ def _session_attention(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError(f"{ATTENTION_NAME} attention needs `streamer_meta`; run through ModelRunner")
     layer = module.layer_idx
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [N, H, D]
+    if streamer_meta.backend == "triton":
+        return _triton_attention(layer, query, key, value, out, scaling, streamer_meta)
     forks: dict[tuple, list[tuple[SeqStep, int, list]]] = {}
     for seq in streamer_meta.seqs:
         cache = seq.cache
@@ -112,6 +119,20 @@ def _session_attention(module, query, key, value, attention_mask, scaling=None, 
             [(*s.cache.layer(layer), own_start) for s, own_start, _ in group], scaling)
         for (s, _, _), r in zip(group, results):
             out[s.offset:s.offset + s.n] = r
+    return out.unsqueeze(0), None
+
+
+def _triton_attention(layer, query, key, value, out, scaling, meta: StepMetadata):
+    """Write every sequence's new K/V, then run the step's plan for this layer."""
+    for seq in meta.seqs:
+        own_start = seq.start - seq.cache.prefix_len
+        k_cache, v_cache = seq.cache.layer(layer)
+        k_cache[:, own_start:own_start + seq.n] = key[0, :, seq.offset:seq.offset + seq.n]
+        v_cache[:, own_start:own_start + seq.n] = value[0, :, seq.offset:seq.offset + seq.n]
+    if meta.plan is None:
+        meta.plan = plan_step(meta.seqs, query.shape[1], key.shape[1], query.shape[3], query.device,
+                              fork_suffix_max=FORK_SUFFIX_MAX)
+    meta.plan.run(query[0].transpose(0, 1), layer, out=out, scaling=scaling)
     return out.unsqueeze(0), None
 
 
@@ -149,6 +170,13 @@ class ModelRunner:
         )
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = param.device
+        self.attention_backend = "reference"
+
+    def set_attention_backend(self, requested: str | None) -> str:
+        """Choose the attention backend (auto | reference | triton; None: the environment's
+        STREAMER_ATTENTION_BACKEND, else auto); returns the one in use."""
+        self.attention_backend = resolve_backend(requested, self.device)
+        return self.attention_backend
 
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         return KVCache(self.kv_shape, max_tokens or self.context_window)
@@ -176,7 +204,7 @@ class ModelRunner:
         else:  # "none" still needs one row from the head; keep it to the last tokens
             keep = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                         streamer_meta=StepMetadata(list(seqs)), logits_to_keep=keep)
+                         streamer_meta=StepMetadata(list(seqs), self.attention_backend), logits_to_keep=keep)
         rows = out.logits[0].float()
         if logits == "none":
             return None

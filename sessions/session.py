@@ -170,6 +170,7 @@ class Session:
             "shared_prefix_tokens": self.cache.prefix_len,
             "parked": self.cache.parked is not None,
             "kv_bytes_per_token": self.cache.shape.bytes_per_token,
+            "attention_backend": self.runner.attention_backend,
             "inputs": len(self.chunks),
             "last_seq": self.chunks[-1].seq if self.chunks else 0,
             "ended": self.ended,

@@ -25,6 +25,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in MiB (default: half the memory available at start)")
     parser.add_argument("--admission", choices=["refuse", "queue"], default="refuse",
                         help="when the KV pool is full, refuse new sessions or queue them (default: %(default)s)")
+    parser.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default=None,
+                        help="attention kernels: fused Triton (CUDA), the pure-torch reference, or auto "
+                             "(triton on CUDA when installed; default: $STREAMER_ATTENTION_BACKEND, else auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from packages or local paths
     from streamer.sessions.engine import EngineLimits
+    from streamer.kernels.backend import BackendUnavailable
     from streamer.sessions.models import ModelLoadError
 
     limits = EngineLimits(step_tokens=args.step_tokens, max_sessions=args.max_sessions, admission=args.admission,
+                          attention_backend=args.attention_backend,
                           kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None)
     try:
         if args.command == "serve":
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         from streamer.demo import run_demo
 
         return run_demo(args, limits)
-    except ModelLoadError as exc:
+    except (ModelLoadError, BackendUnavailable) as exc:
         logging.getLogger("streamer").error("%s", exc)
         return 2
     except KeyboardInterrupt:

@@ -63,6 +63,8 @@ def render(metrics: dict, connections: int, edge: dict | None = None) -> str:
     metric("pool_shared_prefixes", "gauge", "Shared system-prompt prefixes", [({}, pool["shared_prefixes"])])
     metric("pool_compactions_total", "counter", "KV pool compactions", [({}, pool["compactions"])])
     metric("kv_bytes_per_token", "gauge", "Physical KV bytes per token", [({}, metrics["kv_bytes_per_token"])])
+    metric("attention_backend", "gauge", "Attention backend in use (the label; value 1)",
+           [({"backend": metrics["attention_backend"]}, 1)])
     steps = stats["steps"] or 1
     metric("step_seconds_mean", "gauge", "Mean seconds per model step", [({}, stats["step_seconds"] / steps)])
     metric("step_tokens_mean", "gauge", "Mean tokens per model step", [({}, stats["step_tokens"] / steps)])

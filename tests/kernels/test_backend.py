@@ -1,0 +1,163 @@
+"""Backend selection, and the engine with the Triton backend (interpreted on the CPU) against
+the reference: near-identical logits step by step, identical greedy answers end to end."""
+
+import time
+
+import pytest
+import torch
+from streamer.kernels.backend import ENV_VAR, BackendUnavailable, resolve_backend
+from streamer.sessions.models import build_tiny_model
+from streamer.sessions.pool import BlockPool, PagedCache
+from streamer.sessions.runner import ModelRunner, SeqStep
+from streamer.sessions.sampling import SamplingParams
+from streamer.sessions.thinking import due
+
+CHUNKS = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold comes on Tuesdays. ",
+          "A storm broke the burner on March 16. "]
+SYSTEM = "You read a lighthouse log as it arrives and answer questions about it, briefly and exactly. " * 2
+
+
+def test_selection_rules(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_backend("reference", "cpu") == "reference"
+    assert resolve_backend("auto", "cpu") == "reference"  # triton only on CUDA by default
+    assert resolve_backend(None, "cpu") == "reference"
+    assert resolve_backend("triton", "cpu") == "triton"  # TRITON_INTERPRET=1 (conftest)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    assert resolve_backend(None, "cpu") == "triton"
+    assert resolve_backend("reference", "cpu") == "reference"  # an explicit setting wins
+    monkeypatch.setenv(ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        resolve_backend(None, "cpu")
+    with pytest.raises(ValueError, match="one of auto, reference, triton"):
+        resolve_backend("cuda", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BackendUnavailable, match="runs on CUDA devices.*TRITON_INTERPRET=1"):
+        resolve_backend("triton", "cpu")
+    assert resolve_backend("auto", "cpu") == "reference"
+
+
+def runner_with(tokenizer, backend):
+    lm = build_tiny_model(tokenizer, seed=1234)
+    runner = ModelRunner(lm.model, tokenizer, lm.name)
+    assert runner.set_attention_backend(backend) == backend
+    return runner
+
+
+def step_logits(runner, tokenizer):
+    """Every shape the runner plans, on pool caches: a shared prefix's fill, two sessions'
+    packed chunked prefill (one on the shared prefix), packed decode, three flash forks over a
+    session (shared-prefix path), a dual-thinking fork over reading + thinking (fused two-range,
+    short and long own part). Returns the logits of every token of every step."""
+    ids = tokenizer(" ".join(CHUNKS) * 6)["input_ids"]
+    pool = BlockPool(runner.kv_shape, 8 << 20, block_size=16)
+    prefix = pool.prefix_for(ids[:40])
+    logs = []
+
+    def run(steps, logits="all"):
+        logs.extend(runner.forward(steps, logits=logits))
+        for s in steps:
+            s.cache.commit(s.start + s.n)
+
+    run([SeqStep(prefix, 0, prefix.tokens)])
+    a, b = PagedCache(pool, 4096, prefix), PagedCache(pool, 4096)
+    b.reserve(8)  # b's extent sits elsewhere in the pool
+    run([SeqStep(a, 32, ids[32:100]), SeqStep(b, 0, ids[:50])])
+    run([SeqStep(a, 100, ids[100:101]), SeqStep(b, 50, ids[50:51])])
+    run([SeqStep(a, 101, ids[101:170])], logits="last")
+    forks = [runner.new_cache(64) for _ in range(3)]
+    questions = [ids[5:12], ids[20:21], ids[30:41]]
+    run([SeqStep(f, 0, q, prefixes=((a, 170),)) for f, q in zip(forks, questions)])
+    run([SeqStep(f, len(q), [ids[60 + i]], prefixes=((a, 170),)) for i, (f, q) in enumerate(zip(forks, questions))])
+    thinking = runner.new_cache(400)
+    run([SeqStep(thinking, 0, ids[:9], prefixes=((a, 150),), pos0=150)])
+    run([SeqStep(thinking, 9, ids[9:150], prefixes=((a, 160),), pos0=151)], logits="last")
+    run([SeqStep(thinking, 150, ids[150:151], prefixes=((a, 170),), pos0=152),  # own part > 128: fused
+         SeqStep(b, 51, ids[51:53])])
+    return logs
+
+
+def test_runner_logits_match_across_backends(tokenizer):
+    ref = step_logits(runner_with(tokenizer, "reference"), tokenizer)
+    tri = step_logits(runner_with(tokenizer, "triton"), tokenizer)
+    assert len(ref) == len(tri) == 16
+    for r, t in zip(ref, tri):
+        torch.testing.assert_close(t, r, atol=1e-4, rtol=1e-4)
+        assert torch.equal(t.argmax(-1), r.argmax(-1))
+
+
+def wait_idle(engine, sid, timeout=120):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.sessions[sid]
+        flash_due = any(q.evaluated_version < s.data_version for q in s.flash.values())
+        if not (sid in engine._think or sid in engine._flash or engine._queues[sid] or flash_due
+                or (s.thinking and due(s))):
+            return s
+        assert time.monotonic() < deadline, "engine did not go idle"
+        time.sleep(0.01)
+
+
+def engine_answers(engine):
+    """Append, query, flash questions and dual thinking through the engine; everything that
+    depends on the attention: answers, flash answers, notes, and the caches."""
+    out = {"answers": []}
+    plain = engine.create_session(SYSTEM).result()["session_id"]
+    dual = engine.create_session(SYSTEM, thinking={"mode": "dual", "unit_tokens": 5, "stop": "budget"}).result()
+    dual = dual["session_id"]
+    engine.register_flash(plain, "Who keeps the light?", max_tokens=5).result()
+    engine.register_flash(plain, "What is the cat called?", max_tokens=5).result()
+    for chunk in CHUNKS:  # both sessions' work packs into shared steps; each waits for its notes
+        for sid in (plain, dual):
+            engine.append(sid, chunk).result()
+        for sid in (plain, dual):
+            wait_idle(engine, sid)
+    handles = [engine.query(sid, "What broke in the storm?", SamplingParams(max_tokens=6)) for sid in (plain, dual)]
+    for sid, handle in zip((plain, dual), handles):
+        out["answers"].append((handle.future.result().tokens, engine.sessions[sid].cache.snapshot()))
+    out["flash"] = [q.answer.tokens for q in engine.sessions[plain].flash.values()]
+    out["notes"] = [u.text for u in engine.sessions[dual].thinking.units]
+    out["thinking_cache"] = engine.sessions[dual].thinking.cache.snapshot()
+    out["state"] = engine.session_state(plain).result()
+    out["metrics"] = engine.metrics()
+    return out
+
+
+def test_engine_answers_are_unchanged_when_the_backend_switches(tokenizer, engine_factory):
+    from streamer.metrics import render
+
+    results = {}
+    for backend in ("reference", "triton"):
+        engine = engine_factory(runner_with(tokenizer, "reference"), attention_backend=backend)
+        results[backend] = engine_answers(engine)
+        assert engine.runner.attention_backend == backend
+        engine.stop()
+    ref, tri = results["reference"], results["triton"]
+    assert len(ref["notes"]) == len(CHUNKS) and ref["notes"] == tri["notes"]
+    assert ref["flash"] == tri["flash"] and all(ref["flash"])
+    for (rt, rc), (tt, tc) in zip(ref["answers"], tri["answers"]):  # the plain and the dual session
+        assert rt == tt and rt
+        torch.testing.assert_close(tc, rc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri["thinking_cache"], ref["thinking_cache"], atol=1e-5, rtol=1e-5)
+    assert ref["state"]["shared_prefix_tokens"] > 0  # the pool's shared-prefix extent was read
+    for backend, r in results.items():
+        assert r["state"]["attention_backend"] == backend
+        assert r["metrics"]["attention_backend"] == backend
+        assert f'streamer_attention_backend{{backend="{backend}"}} 1' in render(r["metrics"], 0)
+
+
+def test_engine_refuses_an_unknown_backend(tiny, engine_factory):
+    runner, _ = tiny
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        engine_factory(runner, attention_backend="fastest")
+    assert runner.attention_backend == "reference"
+
+
+def test_cli_flag_reaches_the_engine_limits():
+    from streamer.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--attention-backend", "triton"])
+    assert args.attention_backend == "triton"
+    assert build_parser().parse_args(["serve"]).attention_backend is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "fast"])
