@@ -9,6 +9,7 @@ outbound events go through one bounded queue, so their order is the order they w
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,11 @@ from streamer.sessions.errors import EngineError
 from streamer.sessions.sampling import SamplingParams
 
 from .auth import ApiKeys, SessionTokens, key_from_request
+from .durability import DEFAULT_DETACH_TTL_S, DEFAULT_SNAPSHOT_INTERVAL_S, Keeper, Moved
 from .metrics import render as render_metrics
+from .dashboard import response as dashboard_response
+from .recovery import flash_record
+from .store import open_store
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,12 @@ class ServerConfig:
     mqtt_prefix: str = "streamer"
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: anyone may create sessions
     sessions_per_key: int = 32  # live sessions one API key may hold (with keys configured)
+    # durability and workers (streamer.durability, streamer.store)
+    store_url: str | None = None  # None: in-process; file:///dir: append-only logs; redis://host:port/db
+    detach_ttl_s: float = DEFAULT_DETACH_TTL_S  # a session whose producer left closes after this; 0: at once
+    snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S  # at most one snapshot per session per interval
+    worker_id: str | None = None  # default: a random id per process
+    public_url: str | None = None  # how clients reach this worker (sent in `moved`); default ws://host:port
 
 
 class InvalidText:
@@ -103,6 +114,7 @@ class Connection:
             "action.rule": self.on_action_rule, "action.rule.remove": self.on_action_rule_remove,
             "action.start": self.on_action_start, "action.stop": self.on_action_stop,
             "robot.state": self.on_robot_state,
+            "session.resume": self.on_session_resume, "sessions.list": self.on_sessions_list,
         }
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -127,6 +139,9 @@ class Connection:
                 # shielded: a connection that goes away must not cancel the engine's future
                 # (the engine finishes the work; orphaned sessions are closed, see orphan_check)
                 result = await asyncio.shield(asyncio.wrap_future(fut))
+                out = on_result(result)
+                if inspect.isawaitable(out):  # logged first (shielded: a closing connection must
+                    out = await asyncio.shield(out)  # not leave the log behind the engine)
             except EngineError as exc:
                 self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable,
                                            reply_to=cmd.event_id, session_id=cmd.session_id))
@@ -135,7 +150,7 @@ class Connection:
                 self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
                                            reply_to=cmd.event_id, session_id=cmd.session_id))
             else:
-                self.send(on_result(result))
+                self.send(out)
 
         task = self.loop.create_task(wait())
         self.tasks.add(task)
@@ -194,10 +209,13 @@ class Connection:
             self.engine.remove_listener(sid, listener)
         self.subscriptions.clear()
         for sid in self.sessions:
-            if self.server.mqtt is not None:
-                self.server.mqtt.detach(sid)
-            self.engine.close_session(sid)
-            self.server.forget(sid)
+            listener = self.listeners.pop(sid, None)
+            if listener is not None:
+                self.engine.remove_listener(sid, listener)
+            if self.server.config.detach_ttl_s > 0:  # kept for a resume; closed when the TTL runs out
+                self.server.keeper.detach(sid, lambda sid=sid: self.server.close_detached(sid))
+            else:
+                self.server.close_detached(sid)
         self.sessions.clear()
 
     def listener(self, sid: str):
@@ -251,17 +269,22 @@ class Connection:
                 server.session_keys[sid] = key_name
             if server.mqtt is not None:
                 server.mqtt.attach(sid)
-            return self.proto.event("session.created", reply_to=cmd.event_id, session_id=sid,
-                                    model=self.engine.runner.name, tokens=tokens,
-                                    subscribe_token=tokens["subscriber"], session=state)
+            server.keeper.track(sid, key_name)
+            record = {"kind": "create", "system_prompt": cmd["system_prompt"], "thinking": cmd["thinking"],
+                      "flash": [flash_record(a, q) for a, q in zip(flash, state["flash"])],
+                      "tokens": server.tokens.export(sid), "key": key_name}
+            return server.keeper.logged(sid, record, self.proto.event(
+                "session.created", reply_to=cmd.event_id, session_id=sid, model=self.engine.runner.name,
+                tokens=tokens, subscribe_token=tokens["subscriber"], session=state))
 
         self.reply(cmd, fut, created)
 
     def on_session_update(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.reply(cmd, self.engine.configure_thinking(cmd.session_id, cmd["thinking"]),
-                       lambda st: self.proto.event("session.updated", reply_to=cmd.event_id,
-                                                   session_id=cmd.session_id, session=st))
+                       lambda st: self.server.keeper.logged(cmd.session_id, {"kind": "update", "thinking": cmd["thinking"]},
+                                                            self.proto.event("session.updated", reply_to=cmd.event_id,
+                                                                             session_id=cmd.session_id, session=st)))
 
     def on_session_get(self, cmd: Command) -> None:
         if self.readable(cmd):
@@ -276,31 +299,106 @@ class Connection:
             if self.server.mqtt is not None:
                 self.server.mqtt.detach(cmd.session_id)
             self.reply(cmd, self.engine.close_session(cmd.session_id),
-                       lambda st: self.proto.event("session.closed", reply_to=cmd.event_id,
-                                                   session_id=cmd.session_id, session=st))
+                       lambda st: self._closed(cmd, st))
 
-    def _ack(self, cmd: Command, result) -> str:
-        return self.proto.event(
+    async def _closed(self, cmd: Command, state: dict) -> str:
+        await self.server.keeper.forget(cmd.session_id, "closed")
+        return self.proto.event("session.closed", reply_to=cmd.event_id, session_id=cmd.session_id, session=state)
+
+    def _ack(self, cmd: Command, result):
+        """Log the accepted input, then acknowledge it (with the client's seq, if it gave one)."""
+        self.server.keeper.note_lag(result.session_id, result.lag_s)
+        record = {"kind": cmd.type.rsplit(".", 1)[-1], "text": cmd["text"], "seq": result.seq,
+                  "client_seq": cmd["client_seq"]}
+        if cmd.type == "input.text.revise":
+            record["from_seq"] = cmd["from_seq"]
+        return self.server.keeper.logged(result.session_id, record, self.proto.event(
             "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
-            tokens=result.tokens, total_tokens=result.total_tokens, data_version=result.data_version,
-            lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
-            replaced_seqs=result.replaced_seqs or None)
+            client_seq=cmd["client_seq"], tokens=result.tokens, total_tokens=result.total_tokens,
+            data_version=result.data_version, lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
+            replaced_seqs=result.replaced_seqs or None))
+
+    def duplicate(self, cmd: Command) -> bool:
+        """An input whose client_seq the session has already seen is acknowledged, not applied."""
+        if not self.server.keeper.check_client_seq(cmd.session_id, cmd["client_seq"]):
+            return False
+        self.send(self.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                   client_seq=cmd["client_seq"], duplicate=True))
+        return True
 
     def on_append(self, cmd: Command) -> None:
-        if self.owned(cmd):
+        if self.owned(cmd) and not self.duplicate(cmd):
             self.reply(cmd, self.engine.append(cmd.session_id, cmd["text"]), lambda r: self._ack(cmd, r))
 
     def on_revise(self, cmd: Command) -> None:
-        if self.owned(cmd):
+        if self.owned(cmd) and not self.duplicate(cmd):
             fut = self.engine.revise(cmd.session_id, cmd["text"], cmd["from_seq"])
             self.reply(cmd, fut, lambda r: self._ack(cmd, r))
 
     def on_input_end(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.reply(cmd, self.engine.end_input(cmd.session_id),
-                       lambda st: self.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
-                                                   seq=st["last_seq"], ended=True, total_tokens=st["tokens"],
-                                                   data_version=st["data_version"]))
+                       lambda st: self.server.keeper.logged(cmd.session_id, {"kind": "end"}, self.proto.event(
+                           "input.ack", reply_to=cmd.event_id, session_id=cmd.session_id, seq=st["last_seq"],
+                           ended=True, total_tokens=st["tokens"], data_version=st["data_version"])))
+
+    def on_session_resume(self, cmd: Command) -> None:
+        """Re-attach a producer to a live or detached session, or recover it from its log."""
+        sid = cmd.session_id
+        if sid in self.sessions:
+            self.refuse(cmd, "invalid_field", f"this connection already produces into session {sid}")
+            return
+        task = self.loop.create_task(self._resume(cmd))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _resume(self, cmd: Command) -> None:
+        sid, server = cmd.session_id, self.server
+        try:
+            replayed = 0  # live here: nothing to replay
+            if sid in server.keeper.sessions:  # live here: the token must be its producer token
+                if server.tokens.role_of(sid, cmd["token"]) != "producer":
+                    raise EngineError(f"no session {sid!r} with that producer token", code="session_not_found")
+                server.take_over(sid, self)
+            else:
+                replayed = (await server.keeper.recover(sid, cmd["token"]))["records"]
+                if server.mqtt is not None:
+                    server.mqtt.attach(sid)
+            tracked = server.keeper.attach(sid)
+            self.sessions.add(sid)
+            self.listeners[sid] = self.listener(sid)
+            self.engine.add_listener(sid, self.listeners[sid])
+            state = await asyncio.wrap_future(self.engine.session_state(sid))
+        except Moved as exc:
+            self.send(self.proto.event("error", reply_to=cmd.event_id, session_id=sid, error={
+                "code": exc.code, "message": exc.message, "recoverable": True, "owner": exc.owner}))
+            return
+        except EngineError as exc:
+            self.refuse(cmd, exc.code, exc.message)
+            return
+        tracked.high_client_seq = max(tracked.high_client_seq, tracked.acked_client_seq)
+        self.send(self.proto.event("session.resumed", reply_to=cmd.event_id, session_id=sid,
+                                   last_client_seq=tracked.acked_client_seq, last_seq=state["last_seq"],
+                                   replayed_records=replayed, worker=server.keeper.store.worker_id, session=state))
+
+    def on_sessions_list(self, cmd: Command) -> None:
+        """Every session's snapshot (all workers sharing the store): needs a server credential."""
+        if not self.server.operator(self):
+            self.refuse(cmd, "unauthorized", "sessions.list needs an API key on the websocket handshake")
+            return
+        task = self.loop.create_task(self._list(cmd))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _list(self, cmd: Command) -> None:
+        store = self.server.keeper.store
+        if cmd.session_id is None:
+            snaps = await store.snapshots()
+        else:
+            snap = await store.snapshot(cmd.session_id)
+            snaps = [snap] if snap is not None else []
+        self.send(self.proto.event("sessions", reply_to=cmd.event_id, sessions=snaps,
+                                   worker=self.server.keeper.store.worker_id))
 
     def on_query(self, cmd: Command) -> None:
         if not self.owned(cmd):
@@ -350,21 +448,28 @@ class Connection:
 
     def on_flash_register(self, cmd: Command) -> None:
         if self.owned(cmd):
-            fut = self.engine.register_flash(cmd.session_id, **_flash_args(cmd.fields))
-            self.reply(cmd, fut, lambda st: self.proto.event("flash.registered", reply_to=cmd.event_id,
-                                                             session_id=cmd.session_id, flash=st))
+            args = _flash_args(cmd.fields)
+            fut = self.engine.register_flash(cmd.session_id, **args)
+            self.reply(cmd, fut, lambda st: self.server.keeper.logged(
+                cmd.session_id, {"kind": "flash.register", **flash_record(args, st)},
+                self.proto.event("flash.registered", reply_to=cmd.event_id, session_id=cmd.session_id, flash=st)))
 
     def on_flash_unregister(self, cmd: Command) -> None:
         if self.owned(cmd):
             fut = self.engine.unregister_flash(cmd.session_id, cmd["flash_id"])
-            self.reply(cmd, fut, lambda st: self.proto.event("flash.unregistered", reply_to=cmd.event_id,
-                                                             session_id=cmd.session_id, flash_id=st["flash_id"]))
+            self.reply(cmd, fut, lambda st: self.server.keeper.logged(
+                cmd.session_id, {"kind": "flash.unregister", "flash_id": st["flash_id"]},
+                self.proto.event("flash.unregistered", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                 flash_id=st["flash_id"])))
 
     def on_subscribe(self, cmd: Command) -> None:
         """Read-only access to a session with any of its tokens (subscriber, dashboard or
         producer); an unknown session and a wrong token get the same answer."""
         sid = cmd.session_id
-        role = self.server.tokens.role_of(sid, cmd["token"])
+        if cmd["token"] is None:  # an operator's view (the dashboard): needs a server credential
+            role = "operator" if self.server.operator(self) and sid in self.server.tokens else None
+        else:
+            role = self.server.tokens.role_of(sid, cmd["token"])
         if role is None:
             self.refuse(cmd, "session_not_found", f"no session {sid!r} with that token")
             return
@@ -473,6 +578,8 @@ class StreamerServer:
         self.sessions_by_key: dict[str, int] = {}  # API key name -> live sessions it created
         self.session_keys: dict[str, str] = {}  # session id -> the API key name that created it
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
+        self.store = open_store(self.config.store_url, self.config.worker_id)
+        self.keeper = Keeper(self, self.store, self.config.detach_ttl_s, self.config.snapshot_interval_s)
         self._server: Server | None = None
 
     @property
@@ -491,13 +598,16 @@ class StreamerServer:
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
             create_connection=LenientConnection, logger=wire_log,
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
-        log.info("listening on ws://%s:%d (model %s)", cfg.host, self.port, self.engine.runner.name)
+        await self.keeper.start(cfg.public_url or f"ws://{cfg.host}:{self.port}")
+        log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,
+                 self.engine.runner.name, self.store.kind, self.store.worker_id)
         return self
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close(close_connections=True)
             await self._server.wait_closed()
+        await self.keeper.stop()
         if self.mqtt is not None:
             await self.mqtt.stop()
 
@@ -538,6 +648,34 @@ class StreamerServer:
         if key_name is not None:
             self.release_key(key_name)
 
+    def operator(self, conn: Connection) -> bool:
+        """Whether the connection holds a server-level credential (any valid API key; anyone when
+        the server has no keys): it may list sessions and watch any of them read-only."""
+        return not self.config.api_keys.enabled or conn.key_name is not None
+
+    def take_over(self, session_id: str, new: Connection) -> None:
+        """A producer resumed on a new connection: the old one stops producing into it."""
+        for conn in self.connections:
+            if conn is not new and session_id in conn.sessions:
+                conn.sessions.discard(session_id)
+                listener = conn.listeners.pop(session_id, None)
+                if listener is not None:
+                    self.engine.remove_listener(session_id, listener)
+
+    def close_detached(self, session_id: str) -> None:
+        """Close a session no producer holds (detach TTL ran out, or detaching is off)."""
+        if self.mqtt is not None:
+            self.mqtt.detach(session_id)
+        self.engine.close_session(session_id)
+        self.forget(session_id)
+        asyncio.get_running_loop().create_task(self.keeper.forget(session_id, "detached"))
+
+    def push_snapshot(self, session_id: str, snapshot: dict) -> None:
+        """Send a session's new snapshot to the connections watching it."""
+        for conn in list(self.connections):
+            if session_id in conn.subscriptions:
+                conn.send(conn.proto.event("session.snapshot", session_id=session_id, snapshot=snapshot))
+
     def health(self) -> dict:
         stats = self.engine.snapshot_stats()
         return {"status": "ok", "model": self.engine.runner.name, "sessions": stats["sessions"],
@@ -548,16 +686,18 @@ class StreamerServer:
         if path == "/healthz":
             return _json_response(HTTPStatus.OK, self.health())
         if path == "/metrics":
-            body = render_metrics(self.engine.metrics(), len(self.connections)).encode()
+            body = render_metrics(self.engine.metrics(), len(self.connections), self.keeper.metrics()).encode()
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
+        if path == "/dashboard" or path.startswith("/dashboard/"):
+            return dashboard_response(path)
         if request.headers.get("Upgrade", "").lower() == "websocket":
             key = key_from_request(request.headers, request.path)
             if key is not None and self.config.api_keys.enabled and self.config.api_keys.check(key) is None:
                 return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
             return None
-        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics or a websocket"})
+        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard or a websocket"})
 
 
 def _json_response(status: HTTPStatus, body: dict) -> Response:

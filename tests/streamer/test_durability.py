@@ -1,0 +1,243 @@
+"""Event logs, replay, resume with client seqs, snapshots: in-process servers on real sockets,
+with the file store and a real Redis server (tests/streamer/redisutil.py)."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from streamer.recovery import replay
+from streamer.sessions.sampling import SamplingParams
+from streamer.store import FileStore, open_store
+
+from redisutil import redis_server, redis_url  # noqa: F401  (fixtures)
+from wsutil import raw, serve
+
+SYSTEM = "You read a ship's log and answer briefly."
+CHUNKS = ["Day one: the ketch Marlin left Port Ellis at dawn with four crew. ",
+          "Wind from the north-west, force four. The cook burned the porridge. ",
+          "Day two: fog. We anchored off Gull Island and waited. ",
+          "Day three: the fog lifted; the mate sighted a red lighthouse to the east. "]
+QUESTION = "Where did the Marlin anchor?"
+
+
+def check_error(event, code):
+    assert event["type"] == "error", event
+    assert event["error"]["code"] == code, event
+    return event["error"]
+
+
+async def flash_at(peer, sid, version):
+    """The session's flash answers once all of them have seen data_version `version` (an
+    unchanged answer is not pushed, so this reads the state)."""
+    for _ in range(1200):
+        state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+        if all(q.get("data_version", -1) >= version for q in state["flash"]):
+            return {q["flash_id"]: q for q in state["flash"]}
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"flash answers never reached data_version {version}: {state['flash']}")
+
+
+def same_answers(a, b):
+    assert a.keys() == b.keys()
+    for fid in a:
+        assert (a[fid]["answer"], a[fid]["data_version"]) == (b[fid]["answer"], b[fid]["data_version"]), fid
+        for k in ("logit_gap", "mean_prob"):
+            assert abs(a[fid]["confidence"][k] - b[fid]["confidence"][k]) < 1e-3, (fid, k)
+
+
+async def stream(peer, sid, chunks, first_seq=1):
+    acks = []
+    for i, text in enumerate(chunks):
+        ack = await peer.request({"type": "input.text.append", "session_id": sid, "text": text,
+                                  "client_seq": first_seq + i})
+        assert ack["type"] == "input.ack", ack
+        acks.append(ack)
+    return acks
+
+
+def test_file_log_replays_to_identical_cache_and_answers(tiny_engine, tmp_path):
+    """Invariant 4 through the server: appends, a revise, flash registrations (at create and
+    later), an unregister and a thinking update are logged in order; replaying the log on the
+    engine rebuilds the same tokens, the same KV values and the same greedy answers."""
+
+    async def run(url, server):
+        peer = await raw(url)
+        sid = (await peer.request({"type": "session.create", "system_prompt": SYSTEM,
+                                   "flash": [{"question": QUESTION, "max_tokens": 6}]}))["session_id"]
+        await stream(peer, sid, CHUNKS[:3])
+        revised = await peer.request({"type": "input.text.revise", "session_id": sid, "text": CHUNKS[3],
+                                      "from_seq": 3, "client_seq": 4})
+        assert revised["type"] == "input.ack" and revised["replaced_seqs"] == [3], revised
+        reg = await peer.request({"type": "flash.register", "session_id": sid, "question": "Who cooked?",
+                                  "max_tokens": 4})
+        await peer.request({"type": "flash.register", "session_id": sid, "question": "What colour?"})
+        await peer.request({"type": "flash.unregister", "session_id": sid, "flash_id": reg["flash"]["flash_id"]})
+        await peer.request({"type": "session.update", "session_id": sid, "thinking": {"mode": "off"}})
+        await peer.request({"type": "input.text.append", "session_id": sid, "text": "The end.", "client_seq": 5})
+        await peer.send({"type": "query.create", "session_id": sid, "question": QUESTION, "max_tokens": 8})
+        answer = (await peer.until("query.done"))[-1]["text"]
+        kv = await asyncio.wrap_future(tiny_engine._call(lambda: tiny_engine.sessions[sid].cache.snapshot()))
+        return sid, answer, kv
+
+    store_dir = tmp_path / "state"
+    sid, answer, kv = serve(tiny_engine, run, store_url=str(store_dir))
+    records = asyncio.run(FileStore(store_dir).read_log(sid))
+    assert [r["kind"] for r in records] == ["create", "append", "append", "append", "revise", "flash.register",
+                                            "flash.register", "flash.unregister", "update", "append"]
+    assert [r["n"] for r in records] == list(range(1, 11))
+    assert [r.get("client_seq") for r in records if r["kind"] in ("append", "revise")] == [1, 2, 3, 4, 5]
+    assert "tokens" in records[0] and all(len(d) == 64 for d in records[0]["tokens"].values())  # digests only
+
+    state = asyncio.run(replay(tiny_engine, "replayed", [{**r, "session_id": "replayed"} for r in records]))
+    replayed = tiny_engine.sessions["replayed"]
+    assert state["last_seq"] == 5 and state["data_version"] == 5
+    assert [q["flash_id"] for q in state["flash"]] == ["f1", "f3"]
+    expected_ids = replayed.prefix_ids + [t for text in CHUNKS[:2] + [CHUNKS[3], "The end."]
+                                          for t in replayed.tokenize(text)]
+    assert replayed.context_ids() == expected_ids
+    replayed_kv = tiny_engine._call(lambda: replayed.cache.snapshot()).result(10)
+    assert replayed_kv.shape == kv.shape
+    assert torch.allclose(replayed_kv, kv, atol=1e-5, rtol=0), (replayed_kv - kv).abs().max()
+    assert tiny_engine.query("replayed", QUESTION, SamplingParams(max_tokens=8)).future.result(60).text == answer
+    tiny_engine.close_session("replayed").result(10)
+
+
+def test_resume_after_disconnect_dedups_client_seqs(tiny_engine):
+    """A detached session keeps its input; session.resume tells the last acknowledged client
+    seq; resent inputs at or below it are acknowledged as duplicates and not applied."""
+
+    async def run(url, server):
+        peer = await raw(url)
+        created = await peer.request({"type": "session.create", "system_prompt": SYSTEM})
+        sid, tokens = created["session_id"], created["tokens"]
+        await stream(peer, sid, CHUNKS[:2])
+        await peer.ws.close()
+        for _ in range(100):
+            if server.keeper.sessions[sid].detached_at is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert sid in tiny_engine.sessions  # detached, not closed
+
+        other = await raw(url)
+        for token in (tokens["subscriber"], tokens["dashboard"], "x" * 32):
+            check_error(await other.request({"type": "session.resume", "session_id": sid, "token": token}),
+                        "session_not_found")
+        check_error(await other.request({"type": "input.text.append", "session_id": sid, "text": "no"}),
+                    "session_not_found")
+        resumed = await other.request({"type": "session.resume", "session_id": sid, "token": tokens["producer"],
+                                       "last_client_seq": 1})
+        assert resumed["type"] == "session.resumed", resumed
+        assert resumed["last_client_seq"] == 2 and resumed["last_seq"] == 2
+        assert resumed["replayed_records"] == 0  # it was live here: nothing replayed
+        dup = await other.request({"type": "input.text.append", "session_id": sid, "text": CHUNKS[1],
+                                   "client_seq": 2})
+        assert dup["type"] == "input.ack" and dup["duplicate"] is True and dup["client_seq"] == 2
+        acks = await stream(other, sid, CHUNKS[2:], first_seq=3)
+        assert [a["seq"] for a in acks] == [3, 4] and [a["client_seq"] for a in acks] == [3, 4]
+        state = (await other.request({"type": "session.get", "session_id": sid}))["session"]
+        assert state["inputs"] == 4 and state["data_version"] == 4
+        records = await server.store.read_log(sid)
+        assert [r.get("client_seq") for r in records if r["kind"] == "append"] == [1, 2, 3, 4]
+        # a second resume takes the session over: the first connection no longer produces
+        third = await raw(url)
+        assert (await third.request({"type": "session.resume", "session_id": sid,
+                                     "token": tokens["producer"]}))["type"] == "session.resumed"
+        check_error(await other.request({"type": "input.text.append", "session_id": sid, "text": "x"}),
+                    "session_not_found")
+        await third.request({"type": "session.close", "session_id": sid})
+        assert sid not in tiny_engine.sessions
+        assert (await server.store.read_log(sid))[-1]["kind"] == "close"
+        check_error(await other.request({"type": "session.resume", "session_id": sid,
+                                         "token": tokens["producer"]}), "session_not_found")
+
+    serve(tiny_engine, run)
+
+
+def test_detached_session_expires(tiny_engine):
+    async def run(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        await peer.ws.close()
+        for _ in range(200):
+            if sid not in tiny_engine.sessions:
+                break
+            await asyncio.sleep(0.05)
+        assert sid not in tiny_engine.sessions
+        assert server.keeper.counters["detached_expired"] == 1
+        assert (await server.store.read_log(sid))[-1] == {**(await server.store.read_log(sid))[-1],
+                                                          "kind": "close", "reason": "detached"}
+
+    serve(tiny_engine, run, detach_ttl_s=0.2)
+
+
+def test_restart_recovers_from_file_log(tiny_engine, tmp_path):
+    """A second server on the same store directory (a restart) recovers a session on resume."""
+    store = str(tmp_path / "state")
+
+    async def first(url, server):
+        peer = await raw(url)
+        created = await peer.request({"type": "session.create", "system_prompt": SYSTEM,
+                                      "flash": [{"question": QUESTION, "max_tokens": 6}]})
+        await stream(peer, created["session_id"], CHUNKS[:3])
+        return created, await flash_at(peer, created["session_id"], 3)
+
+    created, flash = serve(tiny_engine, first, store_url=store)
+    sid = created["session_id"]
+    assert sid not in tiny_engine.sessions  # the server stopped: its engine copies went
+
+    async def second(url, server):
+        peer = await raw(url)
+        resumed = await peer.request({"type": "session.resume", "session_id": sid,
+                                      "token": created["tokens"]["producer"]})
+        assert resumed["type"] == "session.resumed", resumed
+        assert resumed["replayed_records"] == 4 and resumed["last_client_seq"] == 3
+        same_answers(await flash_at(peer, sid, 3), flash)
+        await stream(peer, sid, CHUNKS[3:], first_seq=4)
+        await peer.request({"type": "session.close", "session_id": sid})
+
+    serve(tiny_engine, second, store_url=store)
+
+
+def test_open_store_urls(tmp_path):
+    from streamer.store import Store, StoreError
+
+    assert type(open_store(None)) is Store and open_store("memory:").kind == "memory"
+    assert isinstance(open_store(str(tmp_path)), FileStore)
+    assert isinstance(open_store(f"file://{tmp_path}"), FileStore)
+    with pytest.raises(StoreError, match="unknown store URL"):
+        open_store("ftp://x")
+
+
+def test_file_store_ignores_a_torn_last_line(tmp_path):
+    async def run():
+        store = await FileStore(tmp_path).start()
+        await store.append("s", {"kind": "create"})
+        await store.append("s", {"kind": "append", "text": "a"})
+        await store.close()
+        with open(store._path("s"), "a") as f:
+            f.write('{"kind": "append", "te')  # the process died mid-write
+        return await FileStore(tmp_path).read_log("s")
+
+    records = asyncio.run(run())
+    assert [r["kind"] for r in records] == ["create", "append"]
+
+
+def test_metrics_report_durability(tiny_engine):
+    async def run(url, server):
+        import urllib.request
+
+        peer = await raw(url)
+        sid = await peer.create()
+        await stream(peer, sid, CHUNKS[:1])
+        await peer.request({"type": "input.text.append", "session_id": sid, "text": "x", "client_seq": 1})
+        port = url.rsplit(":", 1)[1]
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+        return body.decode()
+
+    text = serve(tiny_engine, run)
+    for line in ('streamer_store_info{kind="memory"} 1', "streamer_log_records_total 2",
+                 "streamer_duplicates_total 1", "streamer_flash_staleness_seconds ", "streamer_sessions_detached 0",
+                 "streamer_queue_depth{", "streamer_step_seconds_mean "):
+        assert line in text, line
