@@ -133,6 +133,23 @@ class Keeper:
                 tracked.acked_client_seq = max(tracked.acked_client_seq, record["client_seq"])
         return reply
 
+    async def created(self, session_id: str, record: dict, reply: str, undo) -> str:
+        """Log a new session's creation after claiming it in the directory. An id whose log
+        exists (a session that closed within the retention time, or one live on another
+        worker) is refused and `undo()` closes the engine's copy."""
+        try:
+            if await self.store.log_length(session_id):
+                raise EngineError(f"session id {session_id!r} was used before (its log is kept for "
+                                  f"{self.store.retention_s:.0f} s after it closes)", code="invalid_field")
+            owner = await self.store.claim(session_id)
+            if owner is not None:
+                raise EngineError(f"session id {session_id!r} is in use on worker {owner}", code="invalid_field")
+            return await self.logged(session_id, record, reply)
+        except BaseException:
+            self.sessions.pop(session_id, None)
+            undo()
+            raise
+
     def check_client_seq(self, session_id: str, client_seq: int | None) -> bool:
         """True when the input is a duplicate (already seen); otherwise it is now seen."""
         tracked = self.sessions.get(session_id)
@@ -247,7 +264,13 @@ class Keeper:
         owner = await self.store.claim(session_id)
         if owner is not None:
             raise Moved(session_id, await self.store.owner(session_id) or {"worker": owner})
-        state = await replay(self.engine, session_id, records)
+        try:
+            state = await replay(self.engine, session_id, records)
+        except BaseException:
+            if session_id in self.engine.sessions:  # a partial copy must not linger
+                self.engine.close_session(session_id)
+            await self.store.release(session_id)
+            raise
         self.server.tokens.restore(session_id, digests)
         key_name = records[0].get("key")
         if key_name is not None:

@@ -89,6 +89,9 @@ class RedisStore(Store):
             raise NotOwner(f"worker {self.worker_id} no longer owns session {session_id}")
         return int(n)
 
+    async def log_length(self, session_id: str) -> int:
+        return await self.redis.xlen(self.key("log", session_id))
+
     async def read_log(self, session_id: str) -> list[dict]:
         records = []
         for _, fields in await self.redis.xrange(self.key("log", session_id)):

@@ -273,11 +273,20 @@ class Connection:
             record = {"kind": "create", "system_prompt": cmd["system_prompt"], "thinking": cmd["thinking"],
                       "flash": [flash_record(a, q) for a, q in zip(flash, state["flash"])],
                       "tokens": server.tokens.export(sid), "key": key_name}
-            return server.keeper.logged(sid, record, self.proto.event(
+            return server.keeper.created(sid, record, self.proto.event(
                 "session.created", reply_to=cmd.event_id, session_id=sid, model=self.engine.runner.name,
-                tokens=tokens, subscribe_token=tokens["subscriber"], session=state))
+                tokens=tokens, subscribe_token=tokens["subscriber"], session=state), lambda: self._undo_create(sid))
 
         self.reply(cmd, fut, created)
+
+    def _undo_create(self, sid: str) -> None:
+        """The store refused a new session: it goes, as if it had never been created."""
+        self.sessions.discard(sid)
+        self.listeners.pop(sid, None)
+        if self.server.mqtt is not None:
+            self.server.mqtt.detach(sid)
+        self.engine.close_session(sid)
+        self.server.forget(sid)
 
     def on_session_update(self, cmd: Command) -> None:
         if self.owned(cmd):

@@ -79,6 +79,9 @@ class Store:
     async def read_log(self, session_id: str) -> list[dict]:
         return list(self._logs.get(session_id, ()))
 
+    async def log_length(self, session_id: str) -> int:
+        return len(self._logs.get(session_id, ()))
+
     async def closed(self, session_id: str) -> None:
         """The session closed: its data expire after the retention time."""
         self._closed_at[session_id] = time.time()
@@ -174,6 +177,11 @@ class FileStore(Store):
             os.fsync(f.fileno())
         self._counts[session_id] = n
         return n
+
+    async def log_length(self, session_id: str) -> int:
+        if session_id in self._counts:
+            return self._counts[session_id]
+        return len(await self.read_log(session_id))
 
     async def read_log(self, session_id: str) -> list[dict]:
         path = self._path(session_id)
