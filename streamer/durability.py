@@ -82,6 +82,7 @@ class Keeper:
         self.sessions: dict[str, Tracked] = {}
         self._recovering: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        self._writes: set[asyncio.Task] = set()
         self.counters = {"log_records": 0, "log_errors": 0, "duplicates": 0, "recovered": 0, "detached_expired": 0,
                          "snapshots": 0}
 
@@ -94,6 +95,8 @@ class Keeper:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._writes:  # accepted changes still on their way to the log
+            await asyncio.wait(list(self._writes), timeout=30)
         for tracked in self.sessions.values():
             if tracked.expiry is not None:
                 tracked.expiry.cancel()
@@ -114,7 +117,35 @@ class Keeper:
 
     # ---- logging --------------------------------------------------------------------------
 
-    async def logged(self, session_id: str, record: dict, reply: str) -> str:
+    def spawn(self, coro) -> asyncio.Task:
+        """A store write owned by the keeper, not by a connection (it survives the client)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
+
+    def log_after(self, session_id: str, fut, record_of) -> asyncio.Future:
+        """When the engine future `fut` succeeds, append `record_of(result)` to the log; the
+        returned future resolves once it is durable (or fails with store_unavailable). The
+        write starts from the engine's own completion, in completion order, so the log order
+        is the order the engine applied the changes, and a client that disconnects meanwhile
+        cannot leave an applied change out of the log."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        done.add_done_callback(lambda d: d.cancelled() or d.exception())  # a waiter may be gone
+
+        def start(f) -> None:
+            if f.cancelled() or f.exception() is not None:
+                done.set_result(None)  # nothing applied: nothing to log
+                return
+            task = self.spawn(self.logged(session_id, record_of(f.result())))
+            task.add_done_callback(lambda t: done.set_exception(t.exception()) if t.exception() is not None
+                                   else done.set_result(None))
+
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(start, f))
+        return done
+
+    async def logged(self, session_id: str, record: dict, reply: str | None = None) -> str | None:
         """Append `record` to the session's log, then hand back `reply` (the acknowledgement).
         Called in the order the engine resolved the changes; the store keeps that order."""
         record = {"ts": time.time(), **record}
@@ -256,7 +287,7 @@ class Keeper:
     async def _recover(self, session_id: str, token: str) -> dict:
         not_found = EngineError(f"no session {session_id!r} with that producer token", code="session_not_found")
         records = await self.store.read_log(session_id)
-        if not records or records[0].get("kind") != "create" or records[-1].get("kind") == "close":
+        if not records or records[0].get("kind") != "create" or any(r.get("kind") == "close" for r in records):
             raise not_found
         digests = records[0].get("tokens") or {}
         if set(digests) != set(ROLES) or not _is(token, digests["producer"]):

@@ -131,17 +131,23 @@ class Connection:
             await self.ws.send(text)
         await self.ws.close(1008, "slow consumer: too many undelivered events")
 
-    def reply(self, cmd: Command, fut: Future, on_result: Callable[[object], str]) -> None:
-        """Await an engine future off the receive loop; send its event or its error."""
+    def reply(self, cmd: Command, fut: Future, on_result: Callable[[object], str],
+              log: Callable[[object], dict] | None = None) -> None:
+        """Await an engine future off the receive loop; send its event or its error. With
+        `log`, the change is appended to the session's event log (by the keeper, whether or
+        not this connection survives) and acknowledged only once it is there."""
+        logged = self.server.keeper.log_after(cmd.session_id, fut, log) if log is not None else None
 
         async def wait() -> None:
             try:
                 # shielded: a connection that goes away must not cancel the engine's future
                 # (the engine finishes the work; orphaned sessions are closed, see orphan_check)
                 result = await asyncio.shield(asyncio.wrap_future(fut))
+                if logged is not None:
+                    await asyncio.shield(logged)
                 out = on_result(result)
-                if inspect.isawaitable(out):  # logged first (shielded: a closing connection must
-                    out = await asyncio.shield(out)  # not leave the log behind the engine)
+                if inspect.isawaitable(out):  # session.create: logged after its claim
+                    out = await asyncio.shield(out)
             except EngineError as exc:
                 self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable,
                                            reply_to=cmd.event_id, session_id=cmd.session_id))
@@ -291,9 +297,9 @@ class Connection:
     def on_session_update(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.reply(cmd, self.engine.configure_thinking(cmd.session_id, cmd["thinking"]),
-                       lambda st: self.server.keeper.logged(cmd.session_id, {"kind": "update", "thinking": cmd["thinking"]},
-                                                            self.proto.event("session.updated", reply_to=cmd.event_id,
-                                                                             session_id=cmd.session_id, session=st)))
+                       lambda st: self.proto.event("session.updated", reply_to=cmd.event_id,
+                                                   session_id=cmd.session_id, session=st),
+                       log=lambda _: {"kind": "update", "thinking": cmd["thinking"]})
 
     def on_session_get(self, cmd: Command) -> None:
         if self.readable(cmd):
@@ -307,25 +313,27 @@ class Connection:
             self.server.forget(cmd.session_id)
             if self.server.mqtt is not None:
                 self.server.mqtt.detach(cmd.session_id)
+            self.server.keeper.spawn(self.server.keeper.forget(cmd.session_id, "closed"))
             self.reply(cmd, self.engine.close_session(cmd.session_id),
-                       lambda st: self._closed(cmd, st))
+                       lambda st: self.proto.event("session.closed", reply_to=cmd.event_id,
+                                                   session_id=cmd.session_id, session=st))
 
-    async def _closed(self, cmd: Command, state: dict) -> str:
-        await self.server.keeper.forget(cmd.session_id, "closed")
-        return self.proto.event("session.closed", reply_to=cmd.event_id, session_id=cmd.session_id, session=state)
-
-    def _ack(self, cmd: Command, result):
-        """Log the accepted input, then acknowledge it (with the client's seq, if it gave one)."""
+    def _ack(self, cmd: Command, result) -> str:
         self.server.keeper.note_lag(result.session_id, result.lag_s)
+        return self.proto.event(
+            "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
+            client_seq=cmd["client_seq"], tokens=result.tokens, total_tokens=result.total_tokens,
+            data_version=result.data_version, lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
+            replaced_seqs=result.replaced_seqs or None)
+
+    @staticmethod
+    def _input_record(cmd: Command, result) -> dict:
+        """An accepted append or revise as its log record (with the client's seq, if given)."""
         record = {"kind": cmd.type.rsplit(".", 1)[-1], "text": cmd["text"], "seq": result.seq,
                   "client_seq": cmd["client_seq"]}
         if cmd.type == "input.text.revise":
             record["from_seq"] = cmd["from_seq"]
-        return self.server.keeper.logged(result.session_id, record, self.proto.event(
-            "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
-            client_seq=cmd["client_seq"], tokens=result.tokens, total_tokens=result.total_tokens,
-            data_version=result.data_version, lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
-            replaced_seqs=result.replaced_seqs or None))
+        return record
 
     def duplicate(self, cmd: Command) -> bool:
         """An input whose client_seq the session has already seen is acknowledged, not applied."""
@@ -337,19 +345,21 @@ class Connection:
 
     def on_append(self, cmd: Command) -> None:
         if self.owned(cmd) and not self.duplicate(cmd):
-            self.reply(cmd, self.engine.append(cmd.session_id, cmd["text"]), lambda r: self._ack(cmd, r))
+            self.reply(cmd, self.engine.append(cmd.session_id, cmd["text"]), lambda r: self._ack(cmd, r),
+                       log=lambda r: self._input_record(cmd, r))
 
     def on_revise(self, cmd: Command) -> None:
         if self.owned(cmd) and not self.duplicate(cmd):
             fut = self.engine.revise(cmd.session_id, cmd["text"], cmd["from_seq"])
-            self.reply(cmd, fut, lambda r: self._ack(cmd, r))
+            self.reply(cmd, fut, lambda r: self._ack(cmd, r), log=lambda r: self._input_record(cmd, r))
 
     def on_input_end(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.reply(cmd, self.engine.end_input(cmd.session_id),
-                       lambda st: self.server.keeper.logged(cmd.session_id, {"kind": "end"}, self.proto.event(
-                           "input.ack", reply_to=cmd.event_id, session_id=cmd.session_id, seq=st["last_seq"],
-                           ended=True, total_tokens=st["tokens"], data_version=st["data_version"])))
+                       lambda st: self.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                                   seq=st["last_seq"], ended=True, total_tokens=st["tokens"],
+                                                   data_version=st["data_version"]),
+                       log=lambda _: {"kind": "end"})
 
     def on_session_resume(self, cmd: Command) -> None:
         """Re-attach a producer to a live or detached session, or recover it from its log."""
@@ -459,17 +469,16 @@ class Connection:
         if self.owned(cmd):
             args = _flash_args(cmd.fields)
             fut = self.engine.register_flash(cmd.session_id, **args)
-            self.reply(cmd, fut, lambda st: self.server.keeper.logged(
-                cmd.session_id, {"kind": "flash.register", **flash_record(args, st)},
-                self.proto.event("flash.registered", reply_to=cmd.event_id, session_id=cmd.session_id, flash=st)))
+            self.reply(cmd, fut, lambda st: self.proto.event("flash.registered", reply_to=cmd.event_id,
+                                                             session_id=cmd.session_id, flash=st),
+                       log=lambda st: {"kind": "flash.register", **flash_record(args, st)})
 
     def on_flash_unregister(self, cmd: Command) -> None:
         if self.owned(cmd):
             fut = self.engine.unregister_flash(cmd.session_id, cmd["flash_id"])
-            self.reply(cmd, fut, lambda st: self.server.keeper.logged(
-                cmd.session_id, {"kind": "flash.unregister", "flash_id": st["flash_id"]},
-                self.proto.event("flash.unregistered", reply_to=cmd.event_id, session_id=cmd.session_id,
-                                 flash_id=st["flash_id"])))
+            self.reply(cmd, fut, lambda st: self.proto.event("flash.unregistered", reply_to=cmd.event_id,
+                                                             session_id=cmd.session_id, flash_id=st["flash_id"]),
+                       log=lambda st: {"kind": "flash.unregister", "flash_id": st["flash_id"]})
 
     def on_subscribe(self, cmd: Command) -> None:
         """Read-only access to a session with any of its tokens (subscriber, dashboard or
@@ -677,7 +686,7 @@ class StreamerServer:
             self.mqtt.detach(session_id)
         self.engine.close_session(session_id)
         self.forget(session_id)
-        asyncio.get_running_loop().create_task(self.keeper.forget(session_id, "detached"))
+        self.keeper.spawn(self.keeper.forget(session_id, "detached"))
 
     def push_snapshot(self, session_id: str, snapshot: dict) -> None:
         """Send a session's new snapshot to the connections watching it."""

@@ -241,3 +241,36 @@ def test_metrics_report_durability(tiny_engine):
                  "streamer_duplicates_total 1", "streamer_flash_staleness_seconds ", "streamer_sessions_detached 0",
                  "streamer_queue_depth{", "streamer_step_seconds_mean "):
         assert line in text, line
+
+
+def test_client_sdk_resume_resends_only_what_is_missing(tiny_engine):
+    """The SDK numbers inputs; after the connection drops with inputs in flight, `resume`
+    resends exactly those the server did not log."""
+    from streamer.clients.client import StreamerClient
+
+    async def run(url, server):
+        client = await StreamerClient.connect(url)
+        session = await client.create_session(SYSTEM)
+        for text in CHUNKS[:2]:
+            await session.append(text)
+        in_flight = [asyncio.create_task(session.append(text)) for text in CHUNKS[2:]]
+        await asyncio.sleep(0)  # sent, or about to be: no ack awaited
+        await client.ws.close()
+        results = await asyncio.gather(*in_flight, return_exceptions=True)
+        assert all(isinstance(r, Exception) for r in results) or results  # either way: resume sorts it out
+        for task_result, seq in zip(results, (3, 4)):
+            if not isinstance(task_result, Exception):
+                session.unacked.pop(seq, None)
+        fresh = await StreamerClient.connect(url)
+        resumed = await fresh.resume(session)
+        await resumed.append("The end.")
+        state = await resumed.state()
+        records = await server.store.read_log(session.id)
+        await fresh.close()
+        return state, records
+
+    state, records = serve(tiny_engine, run)
+    appends = [r for r in records if r["kind"] == "append"]
+    assert [r["text"] for r in appends] == CHUNKS + ["The end."]
+    assert [r["client_seq"] for r in appends] == [1, 2, 3, 4, 5]
+    assert state["inputs"] == 5 and state["data_version"] == 5
