@@ -485,7 +485,11 @@ class Connection:
         producer); an unknown session and a wrong token get the same answer."""
         sid = cmd.session_id
         if cmd["token"] is None:  # an operator's view (the dashboard): needs a server credential
-            role = "operator" if self.server.operator(self) and sid in self.server.tokens else None
+            if not self.server.operator(self):
+                self.refuse(cmd, "unauthorized", "subscribe without a token needs an API key on the websocket "
+                            "handshake; or give one of the session's tokens")
+                return
+            role = "operator" if sid in self.server.tokens else None
         else:
             role = self.server.tokens.role_of(sid, cmd["token"])
         if role is None:
