@@ -131,11 +131,14 @@ def test_chromium_shows_a_live_session(embedded):
     async def run(url, server):
         peer = await raw(url)
         created = await peer.request({"type": "session.create", "system_prompt": "Answer in a few words.",
-                                      "flash": [{"question": "Which boat is this log about?", "max_tokens": 8}]})
+                                      "flash": [{"question": "Which boat is this log about?", "max_tokens": 8}],
+                                      "thinking": {"mode": "dual", "unit_tokens": 8, "final_tokens": 0}})
         sid = created["session_id"]
         for text in ("Log of the fishing boat Dora, skipper Ana Reyes. ",
                      "06:10 left Porto Velho; wind light from the east. "):
             assert (await peer.request({"type": "input.text.append", "session_id": sid, "text": text}))["type"] == "input.ack"
+        started = await peer.request({"type": "action.start", "session_id": sid, "dt_ms": 100, "horizon": 5})
+        assert started["type"] == "action.started", started
         page_url = (url.replace("ws://", "http://") + f"/dashboard?session={sid}&token={created['tokens']['dashboard']}")
         profile = tempfile.mkdtemp(prefix="chromium-")
         browser = await asyncio.create_subprocess_exec(
@@ -149,6 +152,7 @@ def test_chromium_shows_a_live_session(embedded):
                 await tools.wait_for("document.getElementById('conn').textContent", "live")
                 # the session list (keys are off: open) and the live view of this session
                 await tools.wait_for(f"!!document.querySelector('tr.session[data-session-id=\"{sid}\"]')", True)
+                await peer.send({"type": "robot.state", "session_id": sid, "state": [0.0, 0.0]})
                 state = await flash_current(peer, sid, 2)
                 answer = state["answer"]
                 assert answer.strip()
@@ -157,12 +161,16 @@ def test_chromium_shows_a_live_session(embedded):
                 await tools.wait_for("document.getElementById('version').textContent", "2")
                 # live: new input shows up without a reload
                 await peer.request({"type": "input.text.append", "session_id": sid,
-                                    "text": "14:20 moored at the north quay. "})
+                                    "text": '{"target": [1.0, 0.5]}'})  # an observation for the policy
                 state = await flash_current(peer, sid, 3)
                 await tools.wait_for("document.getElementById('version').textContent", "3")
                 await tools.wait_for("document.querySelector('#flash tr[data-flash-id=\"f1\"] .answer')"
                                      "?.textContent", state["answer"])
                 assert await tools.eval("document.querySelectorAll('#chart circle').length") >= 1
+                # the reasoning stream and the action timeline
+                await tools.wait_for("document.getElementById('reasoning').textContent.trim().length > 0", True)
+                await tools.wait_for("document.querySelectorAll('#actions li').length > 0", True)
+                await tools.wait_for("Number(document.getElementById('action-seq').textContent) > 0", True)
                 lag = await tools.eval("document.getElementById('lag').textContent")
                 assert lag.endswith(" ms"), lag
                 shot = await tools.call("Page.captureScreenshot", format="png")
