@@ -122,9 +122,14 @@ def _serve(args: argparse.Namespace, limits) -> int:
                           api_keys=keys, sessions_per_key=args.sessions_per_key, store_url=args.store,
                           detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url)
     engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
+    from streamer.store import StoreError
+
     try:
         asyncio.run(run_server(engine, config,
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
+    except StoreError as exc:  # e.g. Redis unreachable at start
+        log.error("%s", exc)
+        return 2
     finally:
         engine.stop()
     return 0

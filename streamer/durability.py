@@ -113,7 +113,10 @@ class Keeper:
                 pass  # already gone
             self.server.forget(sid)
         self.sessions.clear()
-        await self.store.close()
+        try:
+            await self.store.close()
+        except StoreError as exc:
+            log.warning("closing the store: %s", exc)
 
     # ---- logging --------------------------------------------------------------------------
 
@@ -138,7 +141,12 @@ class Keeper:
             if f.cancelled() or f.exception() is not None:
                 done.set_result(None)  # nothing applied: nothing to log
                 return
-            task = self.spawn(self.logged(session_id, record_of(f.result())))
+            try:
+                record = record_of(f.result())
+            except Exception as exc:  # a bug: the waiter reports it
+                done.set_exception(exc)
+                return
+            task = self.spawn(self.logged(session_id, record))
             task.add_done_callback(lambda t: done.set_exception(t.exception()) if t.exception() is not None
                                    else done.set_result(None))
 

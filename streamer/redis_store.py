@@ -55,6 +55,7 @@ class RedisStore(Store):
         self._append = self.redis.register_script(_APPEND)
         self._claim = self.redis.register_script(_CLAIM)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._closed = False
 
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -72,8 +73,15 @@ class RedisStore(Store):
                              px=int(WORKER_TTL_S * 1000))
 
     async def close(self) -> None:
-        await self.redis.delete(self.key("worker", self.worker_id))  # a clean exit: adoptable now
-        await self.redis.aclose()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.redis.delete(self.key("worker", self.worker_id))  # a clean exit: adoptable now
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self.url}: {exc}") from None
+        finally:
+            await self.redis.aclose()
 
     # ---- event log ------------------------------------------------------------------------
 
@@ -83,8 +91,11 @@ class RedisStore(Store):
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         async with lock:
             data = json.dumps({**record, "session_id": session_id}, ensure_ascii=False, separators=(",", ":"))
-            n = await self._append(keys=[self.key("log", session_id), self.key("owner", session_id)],
-                                   args=[data, self.worker_id])
+            try:
+                n = await self._append(keys=[self.key("log", session_id), self.key("owner", session_id)],
+                                       args=[data, self.worker_id])
+            except redis.RedisError as exc:
+                raise StoreError(f"Redis at {self.url}: {exc}") from None
         if n == -1:
             raise NotOwner(f"worker {self.worker_id} no longer owns session {session_id}")
         return int(n)

@@ -378,11 +378,11 @@ class Connection:
             if sid in server.keeper.sessions:  # live here: the token must be its producer token
                 if server.tokens.role_of(sid, cmd["token"]) != "producer":
                     raise EngineError(f"no session {sid!r} with that producer token", code="session_not_found")
-                server.take_over(sid, self)
             else:
                 replayed = (await server.keeper.recover(sid, cmd["token"]))["records"]
                 if server.mqtt is not None:
                     server.mqtt.attach(sid)
+            server.take_over(sid, self)  # one producer at a time: the newest resume wins
             tracked = server.keeper.attach(sid)
             self.sessions.add(sid)
             self.listeners[sid] = self.listener(sid)

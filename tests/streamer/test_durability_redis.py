@@ -102,3 +102,47 @@ def test_server_on_redis_logs_snapshots_and_recovers(tiny_engine, redis_url):
         assert 0 < await server.store.redis.ttl(server.store.key("log", sid)) <= server.store.retention_s
 
     serve(tiny_engine, second, store_url=redis_url)
+
+
+def test_redis_going_away_costs_acks_not_the_server(tiny_engine, tmp_path):
+    """A private Redis that dies mid-session: inputs get `store_unavailable` (applied but not
+    acknowledged), reads keep working, and the server stops cleanly."""
+    import shutil
+    import socket
+    import subprocess
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("needs redis-server (Debian package redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def run(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        await stream(peer, sid, CHUNKS[:1])
+        proc.kill()
+        proc.wait(10)
+        failed = await peer.request({"type": "input.text.append", "session_id": sid, "text": CHUNKS[1],
+                                     "client_seq": 2})
+        assert failed["type"] == "error" and failed["error"]["code"] == "store_unavailable", failed
+        state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+        assert state["inputs"] == 2  # applied; the client knows it is not durable
+        assert server.keeper.counters["log_errors"] == 1
+
+    try:
+        import time
+
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        serve(tiny_engine, run, store_url=f"redis://127.0.0.1:{port}/0")
+    finally:
+        proc.kill()
+        proc.wait(10)
