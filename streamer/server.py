@@ -27,12 +27,13 @@ from streamer.sessions.errors import EngineError
 from streamer.sessions.sampling import SamplingParams
 
 from .auth import ApiKeys, SessionTokens, key_from_request
-from .durability import DEFAULT_DETACH_TTL_S, DEFAULT_SNAPSHOT_INTERVAL_S, Keeper, Moved
-from .metrics import render as render_metrics
 from .dashboard import response as dashboard_response
-from .recovery import flash_record
-from .store import open_store
+from .durability import DEFAULT_DETACH_TTL_S, DEFAULT_SNAPSHOT_INTERVAL_S, Keeper
+from .metrics import render as render_metrics
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
+from .recovery import flash_record
+from .resume import ResumeCommands, ServerHooks
+from .store import open_store
 
 log = logging.getLogger(__name__)
 # websockets logs every frame at DEBUG; frames carry tokens and user data, so the server's
@@ -86,7 +87,7 @@ class LenientConnection(ServerConnection):
             raise self.close_exc from None
 
 
-class Connection:
+class Connection(ResumeCommands):
     """One client connection: owns the sessions it created; closes them when it goes."""
 
     def __init__(self, server: "StreamerServer", ws: ServerConnection) -> None:
@@ -326,23 +327,6 @@ class Connection:
             data_version=result.data_version, lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
             replaced_seqs=result.replaced_seqs or None)
 
-    @staticmethod
-    def _input_record(cmd: Command, result) -> dict:
-        """An accepted append or revise as its log record (with the client's seq, if given)."""
-        record = {"kind": cmd.type.rsplit(".", 1)[-1], "text": cmd["text"], "seq": result.seq,
-                  "client_seq": cmd["client_seq"]}
-        if cmd.type == "input.text.revise":
-            record["from_seq"] = cmd["from_seq"]
-        return record
-
-    def duplicate(self, cmd: Command) -> bool:
-        """An input whose client_seq the session has already seen is acknowledged, not applied."""
-        if not self.server.keeper.check_client_seq(cmd.session_id, cmd["client_seq"]):
-            return False
-        self.send(self.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
-                                   client_seq=cmd["client_seq"], duplicate=True))
-        return True
-
     def on_append(self, cmd: Command) -> None:
         if self.owned(cmd) and not self.duplicate(cmd):
             self.reply(cmd, self.engine.append(cmd.session_id, cmd["text"]), lambda r: self._ack(cmd, r),
@@ -360,64 +344,6 @@ class Connection:
                                                    seq=st["last_seq"], ended=True, total_tokens=st["tokens"],
                                                    data_version=st["data_version"]),
                        log=lambda _: {"kind": "end"})
-
-    def on_session_resume(self, cmd: Command) -> None:
-        """Re-attach a producer to a live or detached session, or recover it from its log."""
-        sid = cmd.session_id
-        if sid in self.sessions:
-            self.refuse(cmd, "invalid_field", f"this connection already produces into session {sid}")
-            return
-        task = self.loop.create_task(self._resume(cmd))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _resume(self, cmd: Command) -> None:
-        sid, server = cmd.session_id, self.server
-        try:
-            replayed = 0  # live here: nothing to replay
-            if sid in server.keeper.sessions:  # live here: the token must be its producer token
-                if server.tokens.role_of(sid, cmd["token"]) != "producer":
-                    raise EngineError(f"no session {sid!r} with that producer token", code="session_not_found")
-            else:
-                replayed = (await server.keeper.recover(sid, cmd["token"]))["records"]
-                if server.mqtt is not None:
-                    server.mqtt.attach(sid)
-            server.take_over(sid, self)  # one producer at a time: the newest resume wins
-            tracked = server.keeper.attach(sid)
-            self.sessions.add(sid)
-            self.listeners[sid] = self.listener(sid)
-            self.engine.add_listener(sid, self.listeners[sid])
-            state = await asyncio.wrap_future(self.engine.session_state(sid))
-        except Moved as exc:
-            self.send(self.proto.event("error", reply_to=cmd.event_id, session_id=sid, error={
-                "code": exc.code, "message": exc.message, "recoverable": True, "owner": exc.owner}))
-            return
-        except EngineError as exc:
-            self.refuse(cmd, exc.code, exc.message)
-            return
-        tracked.high_client_seq = max(tracked.high_client_seq, tracked.acked_client_seq)
-        self.send(self.proto.event("session.resumed", reply_to=cmd.event_id, session_id=sid,
-                                   last_client_seq=tracked.acked_client_seq, last_seq=state["last_seq"],
-                                   replayed_records=replayed, worker=server.keeper.store.worker_id, session=state))
-
-    def on_sessions_list(self, cmd: Command) -> None:
-        """Every session's snapshot (all workers sharing the store): needs a server credential."""
-        if not self.server.operator(self):
-            self.refuse(cmd, "unauthorized", "sessions.list needs an API key on the websocket handshake")
-            return
-        task = self.loop.create_task(self._list(cmd))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _list(self, cmd: Command) -> None:
-        store = self.server.keeper.store
-        if cmd.session_id is None:
-            snaps = await store.snapshots()
-        else:
-            snap = await store.snapshot(cmd.session_id)
-            snaps = [snap] if snap is not None else []
-        self.send(self.proto.event("sessions", reply_to=cmd.event_id, sessions=snaps,
-                                   worker=self.server.keeper.store.worker_id))
 
     def on_query(self, cmd: Command) -> None:
         if not self.owned(cmd):
@@ -588,7 +514,7 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 2)
 
 
-class StreamerServer:
+class StreamerServer(ServerHooks):
     """Websocket sessions plus `/healthz` on one port."""
 
     def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
@@ -669,34 +595,6 @@ class StreamerServer:
         key_name = self.session_keys.pop(session_id, None)
         if key_name is not None:
             self.release_key(key_name)
-
-    def operator(self, conn: Connection) -> bool:
-        """Whether the connection holds a server-level credential (any valid API key; anyone when
-        the server has no keys): it may list sessions and watch any of them read-only."""
-        return not self.config.api_keys.enabled or conn.key_name is not None
-
-    def take_over(self, session_id: str, new: Connection) -> None:
-        """A producer resumed on a new connection: the old one stops producing into it."""
-        for conn in self.connections:
-            if conn is not new and session_id in conn.sessions:
-                conn.sessions.discard(session_id)
-                listener = conn.listeners.pop(session_id, None)
-                if listener is not None:
-                    self.engine.remove_listener(session_id, listener)
-
-    def close_detached(self, session_id: str) -> None:
-        """Close a session no producer holds (detach TTL ran out, or detaching is off)."""
-        if self.mqtt is not None:
-            self.mqtt.detach(session_id)
-        self.engine.close_session(session_id)
-        self.forget(session_id)
-        self.keeper.spawn(self.keeper.forget(session_id, "detached"))
-
-    def push_snapshot(self, session_id: str, snapshot: dict) -> None:
-        """Send a session's new snapshot to the connections watching it."""
-        for conn in list(self.connections):
-            if session_id in conn.subscriptions:
-                conn.send(conn.proto.event("session.snapshot", session_id=session_id, snapshot=snapshot))
 
     def health(self) -> dict:
         stats = self.engine.snapshot_stats()

@@ -1,8 +1,7 @@
 """Event logs, replay, resume with client seqs, snapshots: in-process servers on real sockets,
-with the file store and a real Redis server (tests/streamer/redisutil.py)."""
+with the in-process and file stores (Redis: test_durability_redis.py)."""
 
 import asyncio
-import json
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from streamer.recovery import replay
 from streamer.sessions.sampling import SamplingParams
 from streamer.store import FileStore, open_store
 
-from redisutil import redis_server, redis_url  # noqa: F401  (fixtures)
 from wsutil import raw, serve
 
 SYSTEM = "You read a ship's log and answer briefly."

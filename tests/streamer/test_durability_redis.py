@@ -7,7 +7,6 @@ import pytest
 
 pytest.importorskip("redis")
 
-import redis  # noqa: E402
 from redisutil import redis_server, redis_url  # noqa: E402,F401  (fixtures)
 from wsutil import raw, serve  # noqa: E402
 
