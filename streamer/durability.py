@@ -216,9 +216,17 @@ class Keeper:
         return tracked
 
     def _monitor(self, tracked: Tracked):
-        """An engine listener (engine thread) keeping what snapshots report beyond engine state."""
+        """An engine listener keeping what snapshots report beyond engine state. It is called on
+        the engine thread and hands each event to the event loop, which owns `tracked`."""
+        loop = asyncio.get_running_loop()
 
         def on_event(event: str, payload: dict) -> None:
+            try:
+                loop.call_soon_threadsafe(apply, event, payload)
+            except RuntimeError:  # the server's loop is gone (shutting down)
+                pass
+
+        def apply(event: str, payload: dict) -> None:
             tracked.dirty = True
             if event == "reasoning.delta":
                 tracked.reasoning.extend(payload.get("delta", ""))
