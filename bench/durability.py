@@ -10,7 +10,8 @@ comes only once the input is in the cache *and* in the event log):
 Then the file store's session is recovered on a second server: resume replays its log through
 the engine. Reported: mean ack latency per store and its ratio to memory; replay time versus
 the time the original ingest took (replay queues every record at once, so it prefills in a
-few large steps instead of one per input).
+few large steps instead of one per input); and, for the physics under the ratios, one log
+append alone per store (no model).
 
 Run: python bench/durability.py [--model embedded] [--chunks 40] [--chunk-tokens 32] [--rounds 3]
      [--redis redis://127.0.0.1:6379/0]
@@ -78,6 +79,29 @@ async def run_store(engine, store_url: str | None, chunks: list[str], fsync: boo
         await server.stop()
 
 
+async def append_alone(store_url: str | None, fsync: bool, n: int = 500) -> float:
+    """Mean seconds of one log append on its own (no model), for the physics under the ratio."""
+    from streamer.store import open_store
+
+    store = open_store(store_url, worker_id="bench")
+    if fsync:
+        store.fsync = True
+    try:
+        await store.start()
+    except StoreError:
+        return float("nan")
+    await store.claim("s")
+    record = {"kind": "append", "text": "x" * 120, "seq": 1, "client_seq": 1}
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await store.append("s", record)
+    elapsed = (time.perf_counter() - t0) / n
+    if hasattr(store, "redis"):
+        await store.redis.delete(store.key("log", "s"), store.key("owner", "s"))
+    await store.close()
+    return elapsed
+
+
 async def replay_time(engine, store_url: str, created: dict) -> float:
     server = await StreamerServer(engine, ServerConfig(port=0, store_url=store_url)).start()
     try:
@@ -111,6 +135,9 @@ async def main(args: argparse.Namespace) -> None:
             for name, latencies in results.items():
                 print(f"{name}: ack latency mean {statistics.mean(latencies) * 1000:.2f} ms, "
                       f"p50 {statistics.median(latencies) * 1000:.2f} ms over {len(latencies)} appends")
+            for name, url, fsync in stores:
+                alone = await append_alone(url and url.replace("/file", "/alone").replace("/fsync", "/alone-f"), fsync)
+                print(f"{name}: one log append alone {alone * 1e6:.1f} us")
             if "redis" in created:
                 import redis
 
