@@ -272,3 +272,22 @@ def test_client_sdk_resume_resends_only_what_is_missing(tiny_engine):
     assert [r["text"] for r in appends] == CHUNKS + ["The end."]
     assert [r["client_seq"] for r in appends] == [1, 2, 3, 4, 5]
     assert state["inputs"] == 5 and state["data_version"] == 5
+
+
+def test_a_session_id_with_a_log_is_not_reused(tiny_engine):
+    async def run(url, server):
+        peer = await raw(url)
+        sid = await peer.create(session_id="fixed-id")
+        await stream(peer, sid, CHUNKS[:1])
+        await peer.request({"type": "session.close", "session_id": sid})
+        again = await peer.request({"type": "session.create", "session_id": "fixed-id"})
+        assert again["type"] == "error" and again["error"]["code"] == "invalid_field", again
+        for _ in range(100):  # undone: the engine's copy closes (on the engine thread)
+            if "fixed-id" not in tiny_engine.sessions:
+                break
+            await asyncio.sleep(0.02)
+        assert "fixed-id" not in tiny_engine.sessions and "fixed-id" not in server.tokens
+        assert [r["kind"] for r in await server.store.read_log(sid)] == ["create", "append", "close"]
+        await peer.still_serving(await peer.create())
+
+    serve(tiny_engine, run)
