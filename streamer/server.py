@@ -251,7 +251,7 @@ class Connection(ResumeCommands):
                 return
             server.sessions_by_key[self.key_name] = held + 1  # reserved now, released if creation fails
         flash = [_flash_args(item) for item in cmd["flash"] or ()]
-        fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash, cmd["thinking"])
+        fut = self.engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"])
 
         key_name = self.key_name if server.config.api_keys.enabled else None
 

@@ -278,6 +278,7 @@ def test_a_session_id_with_a_log_is_not_reused(tiny_engine):
     async def run(url, server):
         peer = await raw(url)
         sid = await peer.create(session_id="fixed-id")
+        assert sid == "fixed-id"  # the client's id is used
         await stream(peer, sid, CHUNKS[:1])
         await peer.request({"type": "session.close", "session_id": sid})
         again = await peer.request({"type": "session.create", "session_id": "fixed-id"})
