@@ -292,3 +292,24 @@ def test_a_session_id_with_a_log_is_not_reused(tiny_engine):
         await peer.still_serving(await peer.create())
 
     serve(tiny_engine, run)
+
+
+def test_retention_removes_closed_logs_only(tmp_path):
+    async def run():
+        files = await FileStore(tmp_path, retention_s=0).start()
+        memory = open_store(None, retention_s=0)
+        for store in (files, memory):
+            for sid in ("open", "done"):
+                await store.append(sid, {"kind": "create"})
+            await store.append("done", {"kind": "close"})
+            await store.closed("done")
+            assert await store.log_length("done") == 0  # past its retention: gone
+            assert [r["kind"] for r in await store.read_log("open")] == ["create"]  # live: never trimmed
+        await files.close()
+        kept = await FileStore(tmp_path, retention_s=3600).start()  # a restart keeps what is recent
+        await kept.append("recent", {"kind": "create"})
+        await kept.append("recent", {"kind": "close"})
+        await kept.closed("recent")
+        assert await kept.log_length("recent") == 2
+
+    asyncio.run(run())
