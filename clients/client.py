@@ -106,15 +106,28 @@ class Session:
         self.model: str = created.get("model", "")
         self.tokens: dict[str, str] = created.get("tokens", {})  # role -> capability token
         self.subscribe_token: str | None = created.get("subscribe_token")  # give to read-only watchers
+        # Inputs carry a client_seq; those not yet acknowledged are kept so `client.resume`
+        # can resend exactly what the server lacks after a lost connection or a crashed worker.
+        self.next_client_seq = 1
+        self.unacked: dict[int, dict] = {}
+
+    async def _input(self, msg: dict) -> Ack:
+        if "client_seq" not in msg:
+            msg["client_seq"] = self.next_client_seq
+            self.next_client_seq += 1
+        self.unacked[msg["client_seq"]] = msg
+        event = await self.client.request(dict(msg))
+        self.unacked.pop(msg["client_seq"], None)
+        return _ack(event)
 
     async def append(self, text: str) -> Ack:
-        return _ack(await self.client.request({"type": "input.text.append", "session_id": self.id, "text": text}))
+        return await self._input({"type": "input.text.append", "session_id": self.id, "text": text})
 
     async def revise(self, text: str, from_seq: int | None = None) -> Ack:
         msg = {"type": "input.text.revise", "session_id": self.id, "text": text}
         if from_seq is not None:
             msg["from_seq"] = from_seq
-        return _ack(await self.client.request(msg))
+        return await self._input(msg)
 
     async def end_input(self) -> dict:
         return await self.client.request({"type": "input.end", "session_id": self.id})
@@ -201,6 +214,27 @@ class StreamerClient:
             if value is not None:
                 msg[key] = value
         return Session(self, await self.request(msg))
+
+    async def resume(self, session: Session | str, token: str | None = None) -> Session:
+        """Re-attach to a session after a lost connection, a restart or a failover (its
+        producer token: `session.tokens["producer"]`). Given the old `Session`, inputs it sent
+        that the server never logged are resent, in order; the rest are not (no duplicates).
+        A `moved` StreamerError names the worker that owns the session."""
+        old = session if isinstance(session, Session) else None
+        sid = old.id if old is not None else session
+        token = token or (old.tokens.get("producer") if old is not None else None)
+        if not token:
+            raise ValueError("resume needs the session's producer token")
+        resumed = await self.request({"type": "session.resume", "session_id": sid, "token": token})
+        new = Session(self, {"session_id": sid, "session": resumed["session"],
+                             "tokens": old.tokens if old is not None else {"producer": token}})
+        new.resumed = resumed
+        if old is not None:
+            new.next_client_seq = max(old.next_client_seq, resumed["last_client_seq"] + 1)
+            for seq, msg in sorted(old.unacked.items()):
+                if seq > resumed["last_client_seq"]:
+                    await new._input(dict(msg))
+        return new
 
     async def subscribe(self, session_id: str, token: str) -> dict:
         """Watch another connection's session read-only; returns its state. Its events

@@ -496,8 +496,12 @@ class Engine:
         parked = sum(1 for s in list(self.sessions.values()) if s.cache.parked is not None)
         stale = [s.data_version - q.answer.data_version for s in list(self.sessions.values())
                  for q in list(s.flash.values()) if q.answer is not None]
+        now = time.time()  # how long the answers that are behind their data have been behind (at most)
+        stale_s = [now - q.answer.evaluated_at for s in list(self.sessions.values()) for q in list(s.flash.values())
+                   if q.answer is not None and q.answer.data_version < s.data_version]
         return {"stats": self.snapshot_stats(), "pool": self.pool.stats(), "queues": queues,
                 "sessions": sessions, "parked": parked, "flash_staleness_versions_max": max(stale, default=0),
+                "flash_staleness_seconds_max": round(max(stale_s, default=0.0), 3),
                 "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token,
                 "attention_backend": self.runner.attention_backend}
 

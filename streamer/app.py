@@ -19,8 +19,21 @@ def build_engine(model: str = "embedded", dtype: str = "float32", device: str = 
     """Load a model and start its engine thread."""
     if threads:
         torch.set_num_threads(threads)
-    loaded = load_model(model, dtype=dtype, device=device)
+    loaded = load_tiny(model) if model.split(":")[0] == "tiny" else load_model(model, dtype=dtype, device=device)
     return Engine(ModelRunner(loaded.model, loaded.tokenizer, loaded.name), limits).start()
+
+
+def load_tiny(spec: str = "tiny"):
+    """`tiny` or `tiny:SEED`: a seeded random-weight 2-layer Llama (fp32) with the embedded
+    tokenizer. Loads in a second; the same seed gives the same weights in every process, so
+    tests can restart or fail over real server processes and compare greedy answers."""
+    from transformers import AutoTokenizer
+
+    from streamer.sessions.models import build_tiny_model, embedded_model_dir
+
+    _, _, seed = spec.partition(":")
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    return build_tiny_model(tokenizer, seed=int(seed or 7))
 
 
 def configure_logging(verbose: bool = False) -> None:

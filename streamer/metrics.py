@@ -31,11 +31,21 @@ EDGE_COUNTERS = {
 }
 
 
+DURABILITY = {
+    "log_records": "Records appended to session event logs",
+    "log_errors": "Accepted changes the store failed to log",
+    "duplicates": "Inputs acknowledged as duplicates of a client_seq already seen",
+    "recovered": "Sessions recovered by replaying their event logs",
+    "detached_expired": "Detached sessions closed when their TTL ran out",
+    "snapshots": "Session snapshots written",
+}
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render(metrics: dict, connections: int, edge: dict | None = None) -> str:
+def render(metrics: dict, connections: int, edge: dict | None = None, durability: dict | None = None) -> str:
     """The metrics as Prometheus text format 0.0.4."""
     lines: list[str] = []
 
@@ -70,6 +80,14 @@ def render(metrics: dict, connections: int, edge: dict | None = None) -> str:
     metric("step_tokens_mean", "gauge", "Mean tokens per model step", [({}, stats["step_tokens"] / steps)])
     metric("flash_staleness_versions", "gauge", "Largest number of data versions a flash answer is behind",
            [({}, metrics["flash_staleness_versions_max"])])
+    if "flash_staleness_seconds_max" in metrics:
+        metric("flash_staleness_seconds", "gauge", "Largest age in seconds of a flash answer that is behind its data",
+               [({}, metrics["flash_staleness_seconds_max"])])
+    if durability is not None:
+        metric("store_info", "gauge", "Which state store the server uses", [({"kind": durability["store"]}, 1)])
+        metric("sessions_detached", "gauge", "Live sessions whose producer is disconnected", [({}, durability["detached"])])
+        for key, help_text in DURABILITY.items():
+            metric(f"{key}_total", "counter", help_text, [({}, durability[key])])
     sessions = metrics["sessions"]
     metric("session_cache_tokens", "gauge", "Tokens in a session's reading cache",
            [({"session": sid}, tokens) for sid, (tokens, _) in sorted(sessions.items())])

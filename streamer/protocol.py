@@ -116,9 +116,10 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "session.update": {"session_id": _SID, "thinking": _Field("object", True, schema=THINKING_FIELDS)},
     "session.get": {"session_id": _SID},
     "session.close": {"session_id": _SID},
-    "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars")},
+    "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars"),
+                          "client_seq": _Field("int", lo=1, hi=2**53)},
     "input.text.revise": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars"),
-                          "from_seq": _Field("int", lo=1)},
+                          "from_seq": _Field("int", lo=1), "client_seq": _Field("int", lo=1, hi=2**53)},
     "input.end": {"session_id": _SID},
     "query.create": {
         "session_id": _SID,
@@ -135,7 +136,10 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "query.cancel": {"session_id": _SID, "query_id": _Field("id", required=True)},
     "flash.register": {"session_id": _SID, **FLASH_FIELDS},
     "flash.unregister": {"session_id": _SID, "flash_id": _Field("id", required=True)},
-    "subscribe": {"session_id": _SID, "token": _Field("id", required=True)},
+    "subscribe": {"session_id": _SID, "token": _Field("id")},  # no token: an operator (API key) watches
+    "session.resume": {"session_id": _SID, "token": _Field("id", required=True),
+                       "last_client_seq": _Field("int", lo=0, hi=2**53)},
+    "sessions.list": {"session_id": _Field("id")},  # one session's snapshot, or all
     "unsubscribe": {"session_id": _SID},
     "action.rule": {"session_id": _SID, "flash_id": _Field("id", required=True),
                     "pattern": _Field("str", True, limit="max_pattern_chars"),

@@ -9,6 +9,7 @@ outbound events go through one bounded queue, so their order is the order they w
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import signal
@@ -29,8 +30,13 @@ from streamer.sessions.errors import EngineError
 from streamer.sessions.sampling import SamplingParams
 
 from .auth import ApiKeys, SessionTokens, key_from_request
+from .dashboard import response as dashboard_response
+from .durability import DEFAULT_DETACH_TTL_S, DEFAULT_SNAPSHOT_INTERVAL_S, Keeper
 from .metrics import render as render_metrics
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
+from .recovery import flash_record
+from .resume import ResumeCommands, ServerHooks
+from .store import open_store
 
 log = logging.getLogger(__name__)
 # websockets logs every frame at DEBUG; frames carry tokens and user data, so the server's
@@ -71,6 +77,12 @@ class ServerConfig:
     mqtt_prefix: str = "streamer"
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: anyone may create sessions
     sessions_per_key: int = 32  # live sessions one API key may hold (with keys configured)
+    # durability and workers (streamer.durability, streamer.store)
+    store_url: str | None = None  # None: in-process; file:///dir: append-only logs; redis://host:port/db
+    detach_ttl_s: float = DEFAULT_DETACH_TTL_S  # a session whose producer left closes after this; 0: at once
+    snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S  # at most one snapshot per session per interval
+    worker_id: str | None = None  # default: a random id per process
+    public_url: str | None = None  # how clients reach this worker (sent in `moved`); default ws://host:port
 
 
 class InvalidText:
@@ -113,7 +125,7 @@ class TokenBucket:
         return True
 
 
-class Connection:
+class Connection(ResumeCommands):
     """One client connection: owns the sessions it created; closes them when it goes.
 
     Backpressure: reading from the client pauses while its commands wait on the engine beyond
@@ -160,6 +172,7 @@ class Connection:
             "action.rule": self.on_action_rule, "action.rule.remove": self.on_action_rule_remove,
             "action.start": self.on_action_start, "action.stop": self.on_action_stop,
             "robot.state": self.on_robot_state,
+            "session.resume": self.on_session_resume, "sessions.list": self.on_sessions_list,
         }
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -230,8 +243,12 @@ class Connection:
                 self.drop("idle_timeout", f"no message for {cfg.idle_timeout_s:g} s and no session or "
                           "subscription", close_code=1000)
 
-    def reply(self, cmd: Command, fut: Future, on_result: Callable[[object], str]) -> None:
-        """Await an engine future off the receive loop; send its event or its error."""
+    def reply(self, cmd: Command, fut: Future, on_result: Callable[[object], str],
+              log: Callable[[object], dict] | None = None) -> None:
+        """Await an engine future off the receive loop; send its event or its error. With
+        `log`, the change is appended to the session's event log (by the keeper, whether or
+        not this connection survives) and acknowledged only once it is there."""
+        logged = self.server.keeper.log_after(cmd.session_id, fut, log) if log is not None else None
 
         async def wait() -> None:
             self.inflight += 1
@@ -241,6 +258,11 @@ class Connection:
                 # shielded: a connection that goes away must not cancel the engine's future
                 # (the engine finishes the work; orphaned sessions are closed, see orphan_check)
                 result = await asyncio.shield(asyncio.wrap_future(fut))
+                if logged is not None:
+                    await asyncio.shield(logged)
+                out = on_result(result)
+                if inspect.isawaitable(out):  # session.create: logged after its claim
+                    out = await asyncio.shield(out)
             except EngineError as exc:
                 self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable,
                                            reply_to=cmd.event_id, session_id=cmd.session_id))
@@ -249,7 +271,7 @@ class Connection:
                 self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
                                            reply_to=cmd.event_id, session_id=cmd.session_id))
             else:
-                self.send(on_result(result))
+                self.send(out)
             finally:
                 self.inflight -= 1
                 if not self.reading.is_set():
@@ -342,10 +364,13 @@ class Connection:
             self.engine.remove_listener(sid, listener)
         self.subscriptions.clear()
         for sid in self.sessions:
-            if self.server.mqtt is not None:
-                self.server.mqtt.detach(sid)
-            self.engine.close_session(sid)
-            self.server.forget(sid)
+            listener = self.listeners.pop(sid, None)
+            if listener is not None:
+                self.engine.remove_listener(sid, listener)
+            if self.server.config.detach_ttl_s > 0:  # kept for a resume; closed when the TTL runs out
+                self.server.keeper.detach(sid, lambda sid=sid: self.server.close_detached(sid))
+            else:
+                self.server.close_detached(sid)
         self.sessions.clear()
 
     def listener(self, sid: str):
@@ -375,7 +400,7 @@ class Connection:
                 return
             server.sessions_by_key[self.key_name] = held + 1  # reserved now, released if creation fails
         flash = [_flash_args(item) for item in cmd["flash"] or ()]
-        fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash, cmd["thinking"])
+        fut = self.engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"])
 
         key_name = self.key_name if server.config.api_keys.enabled else None
 
@@ -400,17 +425,31 @@ class Connection:
                 server.session_keys[sid] = key_name
             if server.mqtt is not None:
                 server.mqtt.attach(sid)
-            return self.proto.event("session.created", reply_to=cmd.event_id, session_id=sid,
-                                    model=self.engine.runner.name, tokens=tokens,
-                                    subscribe_token=tokens["subscriber"], session=state)
+            server.keeper.track(sid, key_name)
+            record = {"kind": "create", "system_prompt": cmd["system_prompt"], "thinking": cmd["thinking"],
+                      "flash": [flash_record(a, q) for a, q in zip(flash, state["flash"])],
+                      "tokens": server.tokens.export(sid), "key": key_name}
+            return server.keeper.created(sid, record, self.proto.event(
+                "session.created", reply_to=cmd.event_id, session_id=sid, model=self.engine.runner.name,
+                tokens=tokens, subscribe_token=tokens["subscriber"], session=state), lambda: self._undo_create(sid))
 
         self.reply(cmd, fut, created)
+
+    def _undo_create(self, sid: str) -> None:
+        """The store refused a new session: it goes, as if it had never been created."""
+        self.sessions.discard(sid)
+        self.listeners.pop(sid, None)
+        if self.server.mqtt is not None:
+            self.server.mqtt.detach(sid)
+        self.engine.close_session(sid)
+        self.server.forget(sid)
 
     def on_session_update(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.reply(cmd, self.engine.configure_thinking(cmd.session_id, cmd["thinking"]),
                        lambda st: self.proto.event("session.updated", reply_to=cmd.event_id,
-                                                   session_id=cmd.session_id, session=st))
+                                                   session_id=cmd.session_id, session=st),
+                       log=lambda _: {"kind": "update", "thinking": cmd["thinking"]})
 
     def on_session_get(self, cmd: Command) -> None:
         if self.readable(cmd):
@@ -424,32 +463,36 @@ class Connection:
             self.server.forget(cmd.session_id)
             if self.server.mqtt is not None:
                 self.server.mqtt.detach(cmd.session_id)
+            self.server.keeper.spawn(self.server.keeper.forget(cmd.session_id, "closed"))
             self.reply(cmd, self.engine.close_session(cmd.session_id),
                        lambda st: self.proto.event("session.closed", reply_to=cmd.event_id,
                                                    session_id=cmd.session_id, session=st))
 
     def _ack(self, cmd: Command, result) -> str:
+        self.server.keeper.note_lag(result.session_id, result.lag_s)
         return self.proto.event(
             "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
-            tokens=result.tokens, total_tokens=result.total_tokens, data_version=result.data_version,
-            lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
+            client_seq=cmd["client_seq"], tokens=result.tokens, total_tokens=result.total_tokens,
+            data_version=result.data_version, lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
             replaced_seqs=result.replaced_seqs or None)
 
     def on_append(self, cmd: Command) -> None:
-        if self.owned(cmd):
-            self.reply(cmd, self.engine.append(cmd.session_id, cmd["text"]), lambda r: self._ack(cmd, r))
+        if self.owned(cmd) and not self.duplicate(cmd):
+            self.reply(cmd, self.engine.append(cmd.session_id, cmd["text"]), lambda r: self._ack(cmd, r),
+                       log=lambda r: self._input_record(cmd, r))
 
     def on_revise(self, cmd: Command) -> None:
-        if self.owned(cmd):
+        if self.owned(cmd) and not self.duplicate(cmd):
             fut = self.engine.revise(cmd.session_id, cmd["text"], cmd["from_seq"])
-            self.reply(cmd, fut, lambda r: self._ack(cmd, r))
+            self.reply(cmd, fut, lambda r: self._ack(cmd, r), log=lambda r: self._input_record(cmd, r))
 
     def on_input_end(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.reply(cmd, self.engine.end_input(cmd.session_id),
                        lambda st: self.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
                                                    seq=st["last_seq"], ended=True, total_tokens=st["tokens"],
-                                                   data_version=st["data_version"]))
+                                                   data_version=st["data_version"]),
+                       log=lambda _: {"kind": "end"})
 
     def on_query(self, cmd: Command) -> None:
         if not self.owned(cmd):
@@ -499,21 +542,31 @@ class Connection:
 
     def on_flash_register(self, cmd: Command) -> None:
         if self.owned(cmd):
-            fut = self.engine.register_flash(cmd.session_id, **_flash_args(cmd.fields))
+            args = _flash_args(cmd.fields)
+            fut = self.engine.register_flash(cmd.session_id, **args)
             self.reply(cmd, fut, lambda st: self.proto.event("flash.registered", reply_to=cmd.event_id,
-                                                             session_id=cmd.session_id, flash=st))
+                                                             session_id=cmd.session_id, flash=st),
+                       log=lambda st: {"kind": "flash.register", **flash_record(args, st)})
 
     def on_flash_unregister(self, cmd: Command) -> None:
         if self.owned(cmd):
             fut = self.engine.unregister_flash(cmd.session_id, cmd["flash_id"])
             self.reply(cmd, fut, lambda st: self.proto.event("flash.unregistered", reply_to=cmd.event_id,
-                                                             session_id=cmd.session_id, flash_id=st["flash_id"]))
+                                                             session_id=cmd.session_id, flash_id=st["flash_id"]),
+                       log=lambda st: {"kind": "flash.unregister", "flash_id": st["flash_id"]})
 
     def on_subscribe(self, cmd: Command) -> None:
         """Read-only access to a session with any of its tokens (subscriber, dashboard or
         producer); an unknown session and a wrong token get the same answer."""
         sid = cmd.session_id
-        role = self.server.tokens.role_of(sid, cmd["token"])
+        if cmd["token"] is None:  # an operator's view (the dashboard): needs a server credential
+            if not self.server.operator(self):
+                self.refuse(cmd, "unauthorized", "subscribe without a token needs an API key on the websocket "
+                            "handshake; or give one of the session's tokens")
+                return
+            role = "operator" if sid in self.server.tokens else None
+        else:
+            role = self.server.tokens.role_of(sid, cmd["token"])
         if role is None:
             self.refuse(cmd, "session_not_found", f"no session {sid!r} with that token")
             return
@@ -610,7 +663,7 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 2)
 
 
-class StreamerServer:
+class StreamerServer(ServerHooks):
     """Websocket sessions plus `/healthz` on one port."""
 
     def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
@@ -626,6 +679,8 @@ class StreamerServer:
         self.edge = dict.fromkeys(("backpressure_pauses", "rate_limited", "slow_consumers_dropped", "idle_closed",
                                    "auth_refused"), 0)  # edge counters for /metrics
         self._stopped = False
+        self.store = open_store(self.config.store_url, self.config.worker_id)
+        self.keeper = Keeper(self, self.store, self.config.detach_ttl_s, self.config.snapshot_interval_s)
         self._server: Server | None = None
 
     @property
@@ -644,7 +699,9 @@ class StreamerServer:
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
             create_connection=LenientConnection, logger=wire_log, open_timeout=cfg.open_timeout_s,
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
-        log.info("listening on ws://%s:%d (model %s)", cfg.host, self.port, self.engine.runner.name)
+        await self.keeper.start(cfg.public_url or f"ws://{cfg.host}:{self.port}")
+        log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,
+                 self.engine.runner.name, self.store.kind, self.store.worker_id)
         return self
 
     async def stop(self) -> None:
@@ -654,6 +711,7 @@ class StreamerServer:
         if self._server is not None:
             self._server.close(close_connections=True)
             await self._server.wait_closed()
+        await self.keeper.stop()
         if self.mqtt is not None:
             await self.mqtt.stop()
 
@@ -662,8 +720,10 @@ class StreamerServer:
 
     async def shutdown(self, grace_s: float | None = None) -> dict:
         """Graceful stop: accept no new connection or command, give in-flight work up to
-        `grace_s` to finish (its replies are delivered), flush what a store keeps, then close
-        every connection with 1001 (going away). Returns what it did, for the log."""
+        `grace_s` to finish (its replies are delivered), close every connection with 1001
+        (going away), then stop: the keeper finishes the log writes still on their way, writes
+        final snapshots and closes the store (sessions stay in their logs, resumable).
+        Returns what it did, for the log."""
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
         self.shutting_down = True
         if self._server is not None:
@@ -675,13 +735,6 @@ class StreamerServer:
         unfinished = sum(c.inflight for c in self.connections)
         while any(c.outbox_bytes for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)  # let the writers deliver the last replies
-        store = getattr(self, "store", None)
-        for name in ("flush", "close"):
-            method = getattr(store, name, None)
-            if method is not None:
-                result = method()
-                if asyncio.iscoroutine(result):
-                    await result
         closing = [asyncio.wait_for(c.ws.close(1001, "server shutting down"), 2.0) for c in list(self.connections)]
         await asyncio.gather(*closing, return_exceptions=True)
         await self.stop()
@@ -731,17 +784,20 @@ class StreamerServer:
         if path == "/healthz":
             return _json_response(HTTPStatus.OK, self.health())
         if path == "/metrics":
-            body = render_metrics(self.engine.metrics(), len(self.connections), self.edge).encode()
+            body = render_metrics(self.engine.metrics(), len(self.connections), self.edge,
+                                  self.keeper.metrics()).encode()
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
+        if path == "/dashboard" or path.startswith("/dashboard/"):
+            return dashboard_response(path)
         if request.headers.get("Upgrade", "").lower() == "websocket":
             key = key_from_request(request.headers, request.path)
             if key is not None and self.config.api_keys.enabled and self.config.api_keys.check(key) is None:
                 self.edge["auth_refused"] += 1
                 return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
             return None
-        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics or a websocket"})
+        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard or a websocket"})
 
 
 def _json_response(status: HTTPStatus, body: dict) -> Response:

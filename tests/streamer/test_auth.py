@@ -101,7 +101,7 @@ def test_sessions_per_key_limit(tiny_engine):
         await a3.ws.close()
         await b.ws.close()
 
-    serve(tiny_engine, test, **keyed(sessions_per_key=2))
+    serve(tiny_engine, test, **keyed(sessions_per_key=2, detach_ttl_s=0))
 
 
 def test_roles(tiny_engine):

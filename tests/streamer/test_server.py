@@ -234,7 +234,7 @@ def test_sessions_belong_to_their_connection_and_close_with_it(tiny_engine):
             await asyncio.sleep(0.05)
         assert sid not in tiny_engine.sessions
 
-    serve(tiny_engine, test)
+    serve(tiny_engine, test, detach_ttl_s=0)  # 0: no detaching (resume: tests/streamer/test_durability.py)
 
 
 def test_client_sdk_many_sessions_concurrently(tiny_engine):

@@ -1,0 +1,161 @@
+"""The Redis store: event logs in Streams, the session directory, snapshots, worker heartbeats.
+
+Keys (all under `prefix`, default `streamer`):
+
+- `{p}:log:{sid}`    Stream; one entry per record, fields `n` (position) and `r` (JSON record)
+- `{p}:owner:{sid}`  String; the owning worker's id
+- `{p}:worker:{wid}` String with a TTL of WORKER_TTL_S; the worker's URL (its heartbeat)
+- `{p}:snap:{sid}`   String; the session's latest snapshot (JSON)
+- `{p}:sessions`     Sorted set; session id scored by its snapshot's time (the dashboard list)
+
+Appends and claims are Lua scripts, so they are atomic: an append succeeds only while this
+worker owns the session (a worker that was presumed dead and came back cannot write into a
+log another worker adopted: fencing without home-made consensus), and a claim succeeds only
+when the session has no owner, or an owner whose heartbeat key has expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import redis.asyncio as redis
+
+from .store import DEFAULT_RETENTION_S, WORKER_TTL_S, Store, StoreError
+
+_APPEND = """
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then return -1 end
+local n = redis.call('XLEN', KEYS[1]) + 1
+redis.call('XADD', KEYS[1], '*', 'n', n, 'r', ARGV[1])
+return n
+"""
+
+_CLAIM = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] and redis.call('EXISTS', ARGV[2] .. owner) == 1 then return owner end
+redis.call('SET', KEYS[1], ARGV[1])
+return false
+"""
+
+
+class NotOwner(StoreError):
+    pass
+
+
+class RedisStore(Store):
+    kind = "redis"
+
+    def __init__(self, url: str, prefix: str = "streamer", worker_id: str | None = None,
+                 retention_s: float = DEFAULT_RETENTION_S) -> None:
+        super().__init__(worker_id, retention_s)
+        self.url = url
+        self.prefix = prefix
+        self.redis = redis.Redis.from_url(url, decode_responses=True)
+        self._append = self.redis.register_script(_APPEND)
+        self._claim = self.redis.register_script(_CLAIM)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._closed = False
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    async def start(self) -> "RedisStore":
+        try:
+            await self.redis.ping()
+        except redis.RedisError as exc:
+            raise StoreError(f"cannot reach Redis at {self.url}: {exc}") from None
+        await self.heartbeat()
+        return self
+
+    async def heartbeat(self) -> None:
+        await self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
+                             px=int(WORKER_TTL_S * 1000))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.redis.delete(self.key("worker", self.worker_id))  # a clean exit: adoptable now
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self.url}: {exc}") from None
+        finally:
+            await self.redis.aclose()
+
+    # ---- event log ------------------------------------------------------------------------
+
+    async def append(self, session_id: str, record: dict) -> int:
+        # One writer per session at a time, in call order (asyncio locks are FIFO), so the log
+        # order is the order the engine applied the inputs.
+        lock = self._locks.setdefault(session_id, asyncio.Lock())
+        async with lock:
+            data = json.dumps({**record, "session_id": session_id}, ensure_ascii=False, separators=(",", ":"))
+            try:
+                n = await self._append(keys=[self.key("log", session_id), self.key("owner", session_id)],
+                                       args=[data, self.worker_id])
+            except redis.RedisError as exc:
+                raise StoreError(f"Redis at {self.url}: {exc}") from None
+        if n == -1:
+            raise NotOwner(f"worker {self.worker_id} no longer owns session {session_id}")
+        return int(n)
+
+    async def log_length(self, session_id: str) -> int:
+        return await self.redis.xlen(self.key("log", session_id))
+
+    async def read_log(self, session_id: str) -> list[dict]:
+        records = []
+        for _, fields in await self.redis.xrange(self.key("log", session_id)):
+            record = json.loads(fields["r"])
+            record["n"] = int(fields["n"])
+            records.append(record)
+        return records
+
+    async def closed(self, session_id: str) -> None:
+        ttl = max(1, int(self.retention_s))
+        pipe = self.redis.pipeline()
+        for kind in ("log", "snap", "owner"):
+            pipe.expire(self.key(kind, session_id), ttl)
+        await pipe.execute()
+        self._locks.pop(session_id, None)
+
+    # ---- directory ------------------------------------------------------------------------
+
+    async def claim(self, session_id: str) -> str | None:
+        owner = await self._claim(keys=[self.key("owner", session_id)],
+                                  args=[self.worker_id, self.key("worker", "")])
+        return owner or None
+
+    async def owner(self, session_id: str) -> dict | None:
+        worker = await self.redis.get(self.key("owner", session_id))
+        if worker is None:
+            return None
+        url = await self.redis.get(self.key("worker", worker))
+        return {"worker": worker, "url": url or None, "alive": url is not None}
+
+    async def release(self, session_id: str) -> None:
+        key = self.key("owner", session_id)
+        if await self.redis.get(key) == self.worker_id:
+            await self.redis.delete(key)
+
+    # ---- snapshots ------------------------------------------------------------------------
+
+    async def put_snapshot(self, session_id: str, snapshot: dict) -> None:
+        pipe = self.redis.pipeline()
+        pipe.set(self.key("snap", session_id), json.dumps(snapshot, separators=(",", ":")))
+        pipe.zadd(self.key("sessions"), {session_id: snapshot.get("updated_at") or time.time()})
+        await pipe.execute()
+
+    async def snapshot(self, session_id: str) -> dict | None:
+        data = await self.redis.get(self.key("snap", session_id))
+        return json.loads(data) if data else None
+
+    async def snapshots(self, limit: int = 500) -> list[dict]:
+        ids = await self.redis.zrevrange(self.key("sessions"), 0, limit - 1)
+        if not ids:
+            return []
+        values = await self.redis.mget([self.key("snap", sid) for sid in ids])
+        gone = [sid for sid, v in zip(ids, values) if v is None]
+        if gone:  # expired by retention: drop them from the list too
+            await self.redis.zrem(self.key("sessions"), *gone)
+        return [json.loads(v) for v in values if v is not None]

@@ -1,0 +1,273 @@
+"""Where session state outlives a connection, a process and a machine.
+
+A `Store` holds three things per session (DESIGN sections 3, 8 and 10):
+
+- the **event log**: every accepted input and setting change, in the order the engine applied
+  it, as schema'd JSON records (`kind`, `n`, `ts`, ...). It is the source of truth: replaying it
+  rebuilds the session's caches and greedy answers (streamer.recovery). A record is durable
+  when `append` returns, and only then is the input acknowledged to the client;
+- the **directory entry**: which worker owns the session (workers heartbeat; an entry whose
+  owner stopped beating is orphaned and may be adopted);
+- a **snapshot**: the session's current state for dashboards (written at a bounded rate).
+
+Implementations: `MemoryStore` (in-process; sessions outlive connections but not the
+process), `FileStore` (the embedded default of `streamer serve`: one append-only JSON-lines
+file per session under a directory; survives kill -9 and restarts of a single worker) and
+`RedisStore` (streamer.redis_store: Redis Streams, hashes and keys shared by many workers).
+
+Retention: a live session's log is never trimmed (replay needs all of it; the context window
+bounds what it holds). When a session closes its log, snapshot and entry are kept for
+`retention_s` (default one day) and then removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+DEFAULT_RETENTION_S = 86_400.0
+HEARTBEAT_S = 2.0  # how often a worker says it is alive
+WORKER_TTL_S = 6.0  # a worker silent this long is dead; its sessions may be adopted
+
+
+class StoreError(Exception):
+    pass
+
+
+class Store:
+    """The interface, and the in-process implementation (nothing survives the process)."""
+
+    kind = "memory"
+
+    def __init__(self, worker_id: str | None = None, retention_s: float = DEFAULT_RETENTION_S) -> None:
+        self.worker_id = worker_id or f"w-{secrets.token_hex(4)}"
+        self.worker_url: str | None = None  # where clients reach this worker (set by the server)
+        self.retention_s = retention_s
+        self._logs: dict[str, list[dict]] = {}
+        self._snapshots: dict[str, dict] = {}
+        self._owners: dict[str, str] = {}
+        self._closed_at: dict[str, float] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> "Store":
+        return self
+
+    async def heartbeat(self) -> None:
+        """Say this worker is alive (and where it listens)."""
+
+    async def flush(self) -> None:
+        """Everything appended so far is durable (appends already are when they return)."""
+
+    async def close(self) -> None:
+        await self.flush()
+
+    # ---- event log ------------------------------------------------------------------------
+
+    async def append(self, session_id: str, record: dict) -> int:
+        """Append one record; returns its position `n` (1-based). Durable on return."""
+        log = self._logs.setdefault(session_id, [])
+        record = {**record, "n": len(log) + 1}
+        log.append(record)
+        return record["n"]
+
+    async def read_log(self, session_id: str) -> list[dict]:
+        return list(self._logs.get(session_id, ()))
+
+    async def log_length(self, session_id: str) -> int:
+        return len(self._logs.get(session_id, ()))
+
+    async def closed(self, session_id: str) -> None:
+        """The session closed: its data expire after the retention time."""
+        self._closed_at[session_id] = time.time()
+        self._owners.pop(session_id, None)
+        self._expire()
+
+    def _expire(self) -> None:
+        cutoff = time.time() - self.retention_s
+        for sid in [s for s, t in self._closed_at.items() if t <= cutoff]:
+            self._closed_at.pop(sid)
+            self._logs.pop(sid, None)
+            self._snapshots.pop(sid, None)
+
+    # ---- directory ------------------------------------------------------------------------
+
+    async def claim(self, session_id: str) -> str | None:
+        """Make this worker the session's owner unless a live worker owns it; returns the
+        live owner's id when the claim fails, else None."""
+        owner = self._owners.get(session_id)
+        if owner not in (None, self.worker_id):
+            return owner
+        self._owners[session_id] = self.worker_id
+        return None
+
+    async def owner(self, session_id: str) -> dict | None:
+        """{"worker": id, "url": ..., "alive": bool} of the session's owner, or None."""
+        worker = self._owners.get(session_id)
+        if worker is None:
+            return None
+        return {"worker": worker, "url": self.worker_url, "alive": worker == self.worker_id}
+
+    async def release(self, session_id: str) -> None:
+        if self._owners.get(session_id) == self.worker_id:
+            del self._owners[session_id]
+
+    # ---- snapshots ------------------------------------------------------------------------
+
+    async def put_snapshot(self, session_id: str, snapshot: dict) -> None:
+        self._snapshots[session_id] = snapshot
+
+    async def snapshot(self, session_id: str) -> dict | None:
+        return self._snapshots.get(session_id)
+
+    async def snapshots(self) -> list[dict]:
+        """Every session's latest snapshot (all workers), newest activity first."""
+        return sorted(self._snapshots.values(), key=lambda s: -(s.get("updated_at") or 0))
+
+
+MemoryStore = Store
+
+_SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class FileStore(Store):
+    """One append-only JSON-lines log per session under `root/logs/`; each record is written
+    and flushed (and fsync'ed when `fsync`) before `append` returns, so an acknowledged input
+    survives kill -9 (and, with fsync, power loss). A torn last line (the process died in the
+    middle of a write) is ignored on read: its input was never acknowledged. One worker per
+    directory: ownership is this process."""
+
+    kind = "file"
+
+    def __init__(self, root: str | Path, worker_id: str | None = None, fsync: bool = False,
+                 retention_s: float = DEFAULT_RETENTION_S) -> None:
+        super().__init__(worker_id, retention_s)
+        self.root = Path(root).expanduser()
+        self.fsync = fsync
+        self._files: dict[str, object] = {}
+        self._counts: dict[str, int] = {}
+
+    async def start(self) -> "FileStore":
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        self._expire_files()
+        return self
+
+    def _path(self, session_id: str) -> Path:
+        # ids are printable strings of at most 64 characters; the hex digest keeps two ids that
+        # escape to the same name apart
+        safe = _SAFE_ID.sub("_", session_id)
+        return self.root / "logs" / f"{safe}.{_short_hash(session_id)}.jsonl"
+
+    async def append(self, session_id: str, record: dict) -> int:
+        f = self._files.get(session_id)
+        if f is None:
+            n = len(await self.read_log(session_id))
+            f = self._files[session_id] = open(self._path(session_id), "a", encoding="utf-8")
+            self._counts[session_id] = n
+        n = self._counts[session_id] + 1
+        line = json.dumps({**record, "n": n, "session_id": session_id}, ensure_ascii=False, separators=(",", ":"))
+        f.write(line + "\n")
+        f.flush()
+        if self.fsync:
+            os.fsync(f.fileno())
+        self._counts[session_id] = n
+        return n
+
+    async def log_length(self, session_id: str) -> int:
+        if session_id in self._counts:
+            return self._counts[session_id]
+        return len(await self.read_log(session_id))
+
+    async def read_log(self, session_id: str) -> list[dict]:
+        path = self._path(session_id)
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a torn final write: never acknowledged
+                break
+            if record.get("session_id") != session_id:
+                raise StoreError(f"log {path} holds records of session {record.get('session_id')!r}")
+            records.append(record)
+        return records
+
+    async def closed(self, session_id: str) -> None:
+        f = self._files.pop(session_id, None)
+        if f is not None:
+            f.close()
+        self._counts.pop(session_id, None)
+        await super().closed(session_id)
+        self._expire_files()
+
+    def _expire_files(self) -> None:
+        """Remove logs whose last record is a close older than the retention time."""
+        cutoff = time.time() - self.retention_s
+        for path in (self.root / "logs").glob("*.jsonl"):
+            if path.stat().st_mtime > cutoff:
+                continue
+            lines = path.read_text(encoding="utf-8").splitlines()
+            try:
+                last = json.loads(lines[-1]) if lines else None
+            except ValueError:
+                last = None
+            if last is not None and last.get("kind") == "close":
+                path.unlink(missing_ok=True)
+
+    async def flush(self) -> None:
+        for f in self._files.values():
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+
+    async def close(self) -> None:
+        await self.flush()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _short_hash(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+
+
+def open_store(url: str | None, worker_id: str | None = None, retention_s: float = DEFAULT_RETENTION_S) -> Store:
+    """A store from a URL: None or `memory:` (in-process), `file:///path` or a plain path
+    (append-only files), `redis://host:port/db[?prefix=NAME]` (shared by workers; needs the
+    `redis` extra)."""
+    if url is None or url in ("memory", "memory:"):
+        return Store(worker_id, retention_s)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+        from .redis_store import RedisStore
+
+        parts = urlsplit(url)  # ?prefix=NAME picks the key prefix (default "streamer")
+        query = dict(parse_qsl(parts.query))
+        prefix = query.pop("prefix", "streamer")
+        url = urlunsplit(parts._replace(query=urlencode(query)))
+        return RedisStore(url, prefix=prefix, worker_id=worker_id, retention_s=retention_s)
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" in url:
+        raise StoreError(f"unknown store URL {url!r}: use memory:, file:///path or redis://host:port/db")
+    return FileStore(url, worker_id=worker_id, retention_s=retention_s)
+
+
+async def heartbeat_loop(store: Store, interval_s: float = HEARTBEAT_S) -> None:
+    while True:
+        try:
+            await store.heartbeat()
+        except Exception:  # a Redis hiccup must not stop the beat for good
+            import logging
+
+            logging.getLogger(__name__).warning("heartbeat to the store failed", exc_info=True)
+        await asyncio.sleep(interval_s)
