@@ -156,7 +156,7 @@ MEDIA_FIELDS: dict[str, _Field] = {
     "session_id": _SID, "kind": _Field("id", required=True), "format": _Field("id", required=True),
     "seq": _Field("int", required=True, lo=0, hi=2**53), "ts": _Field("float", required=True, lo=0.0),
     "sample_rate": _Field("int", lo=1000, hi=384_000), "channels": _Field("int", lo=1, hi=8),
-    "end": _Field("bool"),
+    "end": _Field("bool"), "live": _Field("bool"),
 }
 
 
@@ -241,6 +241,11 @@ class ServerProtocol:
         if size == 0 and not f.get("end"):
             raise ProtocolError(MEDIA_HEADER_INVALID, "media frame has an empty payload and no 'end'",
                                 param="payload")
+
+    def refuse_binary(self, data: bytes) -> Command:
+        """A server without media input refuses every binary frame."""
+        raise ProtocolError(UNEXPECTED_BINARY,
+                            f"binary frame of {len(data)} bytes not expected: media input is not enabled on this server")
 
     @staticmethod
     def invalid_utf8(exc: Exception | None = None) -> ProtocolError:

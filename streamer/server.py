@@ -27,6 +27,7 @@ from streamer.sessions.engine import Engine
 from streamer.sessions.errors import EngineError
 from streamer.sessions.sampling import SamplingParams
 
+from .media import MediaConfig, MediaHub
 from .metrics import render as render_metrics
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
 
@@ -46,6 +47,7 @@ class ServerConfig:
     ping_timeout: float | None = 20.0
     mqtt_url: str | None = None  # e.g. mqtt://127.0.0.1:1883: publish session events there
     mqtt_prefix: str = "streamer"
+    media: MediaConfig | None = field(default_factory=MediaConfig)  # None: binary frames are refused
 
 
 class InvalidText:
@@ -96,8 +98,10 @@ class Connection:
             "session.update": self.on_session_update,
             "action.rule": self.on_action_rule, "action.rule.remove": self.on_action_rule_remove,
             "action.start": self.on_action_start, "action.stop": self.on_action_stop,
-            "robot.state": self.on_robot_state,
+            "robot.state": self.on_robot_state, "media": self.on_media,
         }
+        media = server.config.media
+        self.media = MediaHub(self.engine, media, self._media_event, self._media_error) if media else None
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -156,8 +160,12 @@ class Connection:
                     self.send(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
                     continue
                 try:
-                    cmd = (self.proto.receive_text(frame) if isinstance(frame, str)
-                           else self.proto.receive_binary(frame))
+                    if isinstance(frame, str):
+                        cmd = self.proto.receive_text(frame)
+                    elif self.media is None:
+                        cmd = self.proto.refuse_binary(frame)
+                    else:
+                        cmd = self.proto.receive_binary(frame)
                 except ProtocolError as err:
                     self.send(self.proto.protocol_error(err))
                     continue
@@ -167,11 +175,15 @@ class Connection:
                     log.exception("handling %s failed", cmd.type)
                     self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
                                                reply_to=cmd.event_id, session_id=cmd.session_id))
+                if cmd.type == "media" and self.media is not None:
+                    await self.media.throttle(cmd)
         finally:
             writer.cancel()
 
     async def cleanup(self) -> None:
         self.closed = True
+        if self.media is not None:
+            self.media.close()
         for task in list(self.tasks):
             task.cancel()
         for handle in self.queries.values():
@@ -230,12 +242,15 @@ class Connection:
     def on_session_get(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.reply(cmd, self.engine.session_state(cmd.session_id),
-                       lambda st: self.proto.event("state", reply_to=cmd.event_id, session_id=cmd.session_id, session=st))
+                       lambda st: self.proto.event("state", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                                   session=self._with_media(cmd.session_id, st)))
 
     def on_session_close(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.sessions.discard(cmd.session_id)
             self.listeners.pop(cmd.session_id, None)
+            if self.media is not None:
+                self.media.close_session(cmd.session_id)
             self.server.subscribe_tokens.pop(cmd.session_id, None)
             if self.server.mqtt is not None:
                 self.server.mqtt.detach(cmd.session_id)
@@ -382,6 +397,39 @@ class Connection:
             self.reply(cmd, self.engine.stop_actions(cmd.session_id),
                        lambda r: self.proto.event("action.stopped", reply_to=cmd.event_id,
                                                   session_id=cmd.session_id, **r))
+
+    def on_media(self, cmd: Command) -> None:
+        """A binary media frame: decoded on its stream's thread; `input.ack` when it is in."""
+        if not self.owned(cmd):
+            return
+        f = cmd.fields
+
+        def ack(counters: dict) -> None:
+            self.send(self.proto.event("input.ack", session_id=cmd.session_id, kind=f["kind"], format=f["format"],
+                                       media_seq=f["seq"], bytes=len(f["payload"]), ended=f.get("end") or None,
+                                       media=counters))
+
+        self.media.submit(cmd, self.loop, ack)
+
+    def _media_event(self, event: str, sid: str, payload: dict) -> None:
+        """Media events come from stream threads: build and queue them on the loop."""
+        def send() -> None:
+            if event == "error":
+                err = payload["error"]
+                self.send(self.proto.error(err["code"], err["message"], recoverable=err["recoverable"],
+                                           session_id=sid))
+            else:
+                self.send(self.proto.event(event, session_id=sid, **payload))
+
+        self.loop.call_soon_threadsafe(send)
+
+    def _media_error(self, cmd: Command, exc: EngineError) -> None:
+        self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, session_id=cmd.session_id,
+                                   param="payload" if exc.code in ("media_decode_error", "media_too_large") else None))
+
+    def _with_media(self, sid: str, state: dict) -> dict:
+        media = self.media.state(sid) if self.media is not None else None
+        return {**state, "media": media} if media else state
 
     def on_robot_state(self, cmd: Command) -> None:
         """Robot state comes from the producer at control rate: no reply unless it is refused."""

@@ -165,8 +165,12 @@ class VideoDecoder:
             container = av.open(self.pipe, mode="r", format=CONTAINERS[self.fmt],
                                 options={"probesize": str(self.limits.probe_bytes)})
             try:
+                if not container.streams:
+                    raise MediaDecodeError(f"the {self.fmt} stream ended before any track was found "
+                                           f"({self.pipe.total} bytes: truncated?)")
                 if not container.streams.video:
-                    raise UnsupportedMedia(f"the {self.fmt} stream has no video track")
+                    kinds = ", ".join(sorted({s.type for s in container.streams}))
+                    raise UnsupportedMedia(f"the {self.fmt} stream has no video track (only: {kinds})")
                 stream = container.streams.video[0]
                 stream.thread_type = "SLICE"
                 stream.codec_context.thread_count = 1

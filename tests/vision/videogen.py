@@ -57,3 +57,21 @@ def encode_image(fmt: str, image: np.ndarray) -> bytes:
     ctx.time_base = __import__("fractions").Fraction(1, 1)
     frame = av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format=ctx.pix_fmt)
     return b"".join(bytes(p) for p in ctx.encode(frame) + ctx.encode(None))
+
+
+def encode_audio_only(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    """An MPEG-TS stream with one MP2 audio track and no video."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mpegts") as out:
+        stream = out.add_stream("mp2", rate=rate, layout="mono")
+        t = np.arange(int(seconds * rate)) / rate
+        samples = (np.sin(2 * np.pi * 440 * t) * 8000).astype(np.int16)[None, :]
+        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
