@@ -1,0 +1,519 @@
+"""The vision-language path: Qwen2.5-VL reading a live stream of frames and text into one cache.
+
+Each frame is resized to fit a visual-token budget, cut into the model's patches (numpy/torch
+here: transformers' fast image processor needs torchvision, which does not import beside this
+torch build), encoded by the model's vision tower, and its embeddings are prefilled into the
+stream's KV cache between `<|vision_start|>` and `<|vision_end|>`. Text appended between frames
+goes into the same cache. The language model runs through the project's attention hook
+(`streamer.sessions.runner`): new keys and values are written into a `KVCache` at explicit
+slots, with explicit 3-D M-RoPE positions that continue from chunk to chunk exactly as the
+model's own `get_rope_index` numbers one long multimodal sequence. So appending frames and text
+one by one gives the logits of one forward over everything (tests/vision/test_vlm.py).
+
+Positions (Qwen2.5-VL M-RoPE): a text token at position p has (t, h, w) = (p, p, p); a frame
+whose merged grid is gh x gw starting at p has t = p, h = p + row, w = p + col, and the next
+token starts at p + max(gh, gw). Frames are fed as still images, one grid each.
+
+Bounded memory (`Window`, after StreamingVLM): attention sinks (the first tokens of the stream),
+a recent window of frames and a longer window of text. Room is made before a chunk is
+prefilled: the oldest frames and the oldest text beyond their windows are evicted. Then the
+positions are re-anchored: the kept spans are packed one after another, and each moved span's
+cached keys are rotated back by its shift. A uniform shift of all three M-RoPE components is an
+ordinary RoPE rotation (every frequency turns by shift x inv_freq, whichever component feeds
+it), so rotating a cached key equals computing it at the new position, and relative positions
+inside a span are kept. After re-anchoring the largest position is below the cache length, so
+the stream never runs past the model's position range however long it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from streamer.sessions.kvcache import KVCache, KVShape
+from streamer.sessions.runner import ATTENTION_NAME, SeqStep, StepMetadata, register_attention
+
+from .encoder import Frame, Observation, VisionEncoder
+from .errors import MediaTooLarge, UnsupportedMedia
+
+log = logging.getLogger(__name__)
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the image processor's normalisation (OpenAI CLIP)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT = 200  # Qwen2-VL's processor refuses more extreme aspect ratios
+
+
+# ---------------------------------------------------------------------------------------------
+# pixels -> patches
+
+
+@dataclass(frozen=True, slots=True)
+class PatchSpec:
+    """How the vision tower wants its pixels (read from the model's vision config)."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+
+    @classmethod
+    def from_config(cls, vision_config) -> "PatchSpec":
+        return cls(patch_size=vision_config.patch_size, merge_size=vision_config.spatial_merge_size,
+                   temporal_patch_size=vision_config.temporal_patch_size)
+
+    @property
+    def factor(self) -> int:
+        """Pixels per merged token along one side (28 for Qwen2.5-VL)."""
+        return self.patch_size * self.merge_size
+
+
+def fit_size(height: int, width: int, max_tokens: int, spec: PatchSpec = PatchSpec()) -> tuple[int, int]:
+    """The resized (height, width) for a frame: multiples of `spec.factor`, aspect ratio kept as
+    far as rounding allows, at most `max_tokens` merged tokens. Follows Qwen2-VL's
+    `smart_resize` (same result whenever that fits the budget), then shrinks the longer side
+    if rounding up to one factor overshot a small budget."""
+    if height < 1 or width < 1:
+        raise UnsupportedMedia(f"frame of {width}x{height} pixels has no area")
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        raise UnsupportedMedia(f"frame of {width}x{height}: aspect ratio beyond {MAX_ASPECT}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    f = spec.factor
+    max_pixels = max_tokens * f * f
+    min_pixels = min(spec.min_pixels, max_pixels)
+    h, w = round(height / f) * f, round(width / f) * f
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(f, math.floor(height / beta / f) * f)
+        w = max(f, math.floor(width / beta / f) * f)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+    while (h // f) * (w // f) > max_tokens:  # only for extreme aspect ratios on tiny budgets
+        if h >= w:
+            h -= f
+        else:
+            w -= f
+    return h, w
+
+
+def patchify(image: np.ndarray, max_tokens: int, spec: PatchSpec = PatchSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An RGB uint8 frame `[H, W, 3]` -> (pixel_values `[gh * gw, 3 * T * P * P]` float32, grid
+    `(1, gh, gw)` in patches). Resized (bicubic, antialiased, rounded to 8 bits like the PIL
+    processor) to fit `max_tokens`, scaled to [0, 1], CLIP-normalised, and laid out as the
+    vision tower reads it: rows in merge order (merge blocks row-major, patches row-major
+    inside a block), each row channel-major then time (the still frame repeated
+    `temporal_patch_size` times) then patch rows and columns."""
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise UnsupportedMedia(f"frames must be RGB uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    height, width = image.shape[:2]
+    h, w = fit_size(height, width, max_tokens, spec)
+    pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float()  # [3, H, W]
+    if (h, w) != (height, width):
+        pixels = F.interpolate(pixels[None], size=(h, w), mode="bicubic", antialias=True,
+                               align_corners=False)[0].round_().clamp_(0, 255)
+    mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
+    std = torch.tensor(CLIP_STD).view(3, 1, 1)
+    pixels = (pixels / 255.0 - mean) / std
+    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    gh, gw = h // p, w // p
+    blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    blocks = blocks.unsqueeze(5).expand(*blocks.shape[:5], t, p, p)  # (bh, bw, mh, mw, C, T, ph, pw)
+    return blocks.reshape(gh * gw, 3 * t * p * p).contiguous(), (1, gh, gw)
+
+
+# ---------------------------------------------------------------------------------------------
+# the stream: one cache of frames and text
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Bounded memory for an unbounded stream. The cache never holds more than `bound` tokens:
+    sink spans (everything that began within the first `sink_tokens`), at most `vision_tokens`
+    of recent frames and `text_tokens` of recent text, plus one incoming frame of up to
+    `frame_tokens` (its visual tokens and two markers)."""
+
+    sink_tokens: int = 64
+    vision_tokens: int = 1024
+    text_tokens: int = 2048
+
+    def bound(self, frame_tokens: int) -> int:
+        return self.sink_tokens + frame_tokens + 2 + self.vision_tokens + self.text_tokens
+
+
+@dataclass(slots=True)
+class Span:
+    """A run of cached tokens from one input: a frame (with its markers) or a piece of text.
+    `positions` `[3, length]` are the M-RoPE (t, h, w) positions its keys were rotated with;
+    `extent` is how far it advances the position counter."""
+
+    kind: str  # "frame" | "text"
+    start: int
+    positions: torch.Tensor
+    extent: int
+    pinned: bool = False
+    ts: float | None = None
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def base(self) -> int:
+        return int(self.positions[0, 0])
+
+
+@dataclass(slots=True)
+class StreamStats:
+    frames: int = 0
+    visual_tokens: int = 0
+    text_tokens: int = 0
+    evicted_frames: int = 0
+    evicted_text_tokens: int = 0
+    reanchors: int = 0
+    max_position: int = -1
+
+
+class VLMStream:
+    """A Qwen2.5-VL model reading frames and text into one growing (or bounded) KV cache.
+
+    Not thread-safe: one thread drives it. `window=None` keeps everything (exact, grows until
+    `max_tokens`); a `Window` bounds the cache and re-anchors positions (see the module doc).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, frame_tokens: int = 256,
+                 window: Window | None = None, max_tokens: int | None = None) -> None:
+        register_attention()
+        model.set_attn_implementation({"text_config": ATTENTION_NAME})
+        model.eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.text_config = cfg.text_config
+        self.lm = model.model.language_model
+        self.spec = PatchSpec.from_config(cfg.vision_config)
+        self.image_token_id = cfg.image_token_id
+        self.vision_start_id = cfg.vision_start_token_id
+        self.vision_end_id = cfg.vision_end_token_id
+        self.max_positions = int(self.text_config.max_position_embeddings)
+        if frame_tokens < 1:
+            raise ValueError(f"frame_tokens must be at least 1, got {frame_tokens}")
+        self.frame_tokens = frame_tokens
+        self.window = window
+        if window is not None:
+            if window.vision_tokens < frame_tokens + 2:
+                raise ValueError(f"vision window of {window.vision_tokens} tokens cannot hold one "
+                                 f"frame of {frame_tokens} (+2 markers)")
+            if window.text_tokens < 1:
+                raise ValueError("text window must hold at least one token")
+            limit = window.bound(frame_tokens)
+            if limit > self.max_positions:
+                raise ValueError(f"window bound {limit} exceeds the model's {self.max_positions} positions")
+        else:
+            limit = max_tokens or self.max_positions
+        param = next(model.parameters())
+        tc = self.text_config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        shape = KVShape(layers=tc.num_hidden_layers, kv_heads=tc.num_key_value_heads, head_dim=head_dim,
+                        dtype=param.dtype, device=param.device)
+        self.device = param.device
+        self.cache = KVCache(shape, limit)
+        self.spans: list[Span] = []
+        self.next_pos = 0
+        self.stats = StreamStats()
+        self.logits: torch.Tensor | None = None  # next-token logits after the last append
+
+    # -- appends ---------------------------------------------------------------------------
+
+    def append_tokens(self, ids: Sequence[int], ts: float | None = None) -> torch.Tensor:
+        """Append text tokens; returns the next-token logits. With a window, text longer than
+        the text window is read in window-sized pieces (older pieces are evicted as it goes)."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("append_tokens needs at least one token")
+        step = self.window.text_tokens if self.window else len(ids)
+        for i in range(0, len(ids), step):
+            self._append_text_piece(ids[i:i + step], ts)
+        return self.logits
+
+    def append_text(self, text: str, ts: float | None = None) -> torch.Tensor:
+        if self.tokenizer is None:
+            raise ValueError("this stream has no tokenizer; append token ids instead")
+        return self.append_tokens(self.tokenizer.encode(text, add_special_tokens=False), ts)
+
+    def append_image(self, image: np.ndarray, ts: float | None = None) -> int:
+        """Append one RGB uint8 frame `[H, W, 3]`, resized to fit the per-frame budget. Returns the
+        visual tokens it took (markers not counted)."""
+        pixels, grid = patchify(image, self.frame_tokens, self.spec)
+        embeds = self.encode_pixels(pixels, grid)
+        n = embeds.shape[0]
+        start_emb, end_emb = self._embed([self.vision_start_id, self.vision_end_id])
+        inputs = torch.cat([start_emb[None], embeds, end_emb[None]])
+        self._make_room("frame", n + 2)
+        p = self.next_pos
+        m = self.spec.merge_size
+        gh, gw = grid[1] // m, grid[2] // m
+        rows = torch.arange(gh).repeat_interleave(gw)
+        cols = torch.arange(gw).repeat(gh)
+        vision = torch.stack([torch.zeros(n, dtype=torch.long), rows, cols]) + (p + 1)
+        positions = torch.cat([torch.full((3, 1), p), vision, torch.full((3, 1), p + 1 + max(gh, gw))], 1)
+        self._prefill("frame", inputs, positions, extent=max(gh, gw) + 2, ts=ts)
+        self.stats.frames += 1
+        self.stats.visual_tokens += n
+        return n
+
+    @torch.inference_mode()
+    def encode_pixels(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """Vision-tower embeddings `[tokens, hidden]` of one patchified frame."""
+        param = next(self.model.parameters())
+        grid_thw = torch.tensor([grid], device=self.device)
+        out = self.model.model.get_image_features(pixels.to(self.device, param.dtype), grid_thw)
+        return torch.cat(out.pooler_output).to(param.dtype)
+
+    def _append_text_piece(self, ids: list[int], ts: float | None) -> None:
+        sink = self.window.sink_tokens - self.cache.length if self.window else 0
+        if 0 < sink < len(ids):  # only the part within the sink budget is pinned
+            self._append_text_piece(ids[:sink], ts)
+            ids = ids[sink:]
+        self._make_room("text", len(ids))
+        positions = torch.arange(self.next_pos, self.next_pos + len(ids)).expand(3, -1)
+        self._prefill("text", self._embed(ids), positions, extent=len(ids), ts=ts)
+        self.stats.text_tokens += len(ids)
+
+    def _embed(self, ids: Sequence[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.lm.embed_tokens(torch.tensor(list(ids), device=self.device))
+
+    @torch.inference_mode()
+    def _forward(self, inputs: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+        """Run `inputs` `[n, hidden]` at cache slots `[start, start + n)`; next-token logits of the
+        last one. The caller commits (or not: a fork)."""
+        n = inputs.shape[0]
+        self.cache.reserve(start + n)
+        meta = StepMetadata([SeqStep(self.cache, start, range(n))])
+        out = self.lm(inputs_embeds=inputs[None], position_ids=positions[:, None, :].to(self.device),
+                      use_cache=False, streamer_meta=meta)
+        return self.model.lm_head(out.last_hidden_state[:, -1])[0].float()
+
+    def _prefill(self, kind: str, inputs: torch.Tensor, positions: torch.Tensor, extent: int,
+                 ts: float | None) -> None:
+        start = self.cache.length
+        self.logits = self._forward(inputs, positions, start)
+        self.cache.commit(start + inputs.shape[0])
+        pinned = self.window is not None and start < self.window.sink_tokens
+        self.spans.append(Span(kind, start, positions.clone(), extent, pinned, ts))
+        self.next_pos += extent
+        self.stats.max_position = max(self.stats.max_position, int(positions.max()))
+
+    # -- questions -------------------------------------------------------------------------
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int = 16, eos_id: int | None = None) -> list[int]:
+        """Greedy answer to prompt tokens, read as a fork past the committed cache: the stream is
+        left exactly as it was (nothing committed, positions untouched)."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("generate needs prompt tokens")
+        start, pos = self.cache.length, self.next_pos
+        if start + len(ids) + max_new_tokens > self.cache.max_tokens:
+            raise ValueError("prompt and answer do not fit the cache")
+        logits = self._forward(self._embed(ids), torch.arange(pos, pos + len(ids)).expand(3, -1), start)
+        out: list[int] = []
+        while len(out) < max_new_tokens:
+            token = int(logits.argmax())
+            out.append(token)
+            if token == eos_id or len(out) == max_new_tokens:
+                break
+            at = len(ids) + len(out) - 1
+            logits = self._forward(self._embed([token]), torch.full((3, 1), pos + at), start + at)
+        self.cache.trim()
+        return out
+
+    # -- bounded memory --------------------------------------------------------------------
+
+    def _make_room(self, kind: str, n: int) -> None:
+        """Evict before prefilling `n` tokens of `kind`, then re-anchor positions."""
+        if self.window is None:
+            if self.cache.length + n > self.cache.max_tokens:
+                raise MediaTooLarge(f"the stream's cache is full ({self.cache.max_tokens} tokens); "
+                                    "open it with a window for unbounded input")
+            return
+        limit = self.window.vision_tokens if kind == "frame" else self.window.text_tokens
+        spans = [s for s in self.spans if s.kind == kind and not s.pinned]
+        held = sum(s.length for s in spans)
+        drop: list[tuple[int, int]] = []
+        for span in spans:
+            if held + n <= limit:
+                break
+            cut = span.length if kind == "frame" else min(span.length, held + n - limit)
+            drop.append((span.start, span.start + cut))
+            held -= cut
+            if kind == "frame":
+                self.stats.evicted_frames += 1
+            else:
+                self.stats.evicted_text_tokens += cut
+        if drop:
+            self._evict(drop)
+            self._reanchor()
+
+    def _evict(self, ranges: list[tuple[int, int]]) -> None:
+        for start, end in sorted(ranges, reverse=True):
+            self.cache.remove(start, end)
+        kept: list[Span] = []
+        for span in self.spans:
+            cut = sum(min(e, span.start + span.length) - max(s, span.start)
+                      for s, e in ranges if s < span.start + span.length and e > span.start)
+            if cut == span.length:
+                continue
+            if cut:  # the oldest tokens of a text span went
+                span.positions = span.positions[:, cut:]
+                span.extent -= cut
+            kept.append(span)
+        slot = 0
+        for span in kept:
+            span.start = slot
+            slot += span.length
+        self.spans = kept
+
+    def _reanchor(self) -> None:
+        """Pack the kept spans' positions one after another and rotate each moved span's keys by
+        its shift, so the largest position stays below the cache length."""
+        pos = 0
+        inv_freq = self.lm.rotary_emb.inv_freq.to(torch.float64)
+        for span in self.spans:
+            shift = span.base - pos
+            if shift:
+                self._rotate_keys(span.start, span.length, -shift, inv_freq)
+                span.positions = span.positions - shift
+            pos += span.extent
+        self.next_pos = pos
+        self.stats.reanchors += 1
+
+    def _rotate_keys(self, start: int, length: int, delta: int, inv_freq: torch.Tensor) -> None:
+        """Move cached keys at slots `[start, start + length)` by `delta` positions (all three
+        M-RoPE components alike: a plain RoPE rotation). Values carry no position."""
+        angle = delta * inv_freq
+        cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32)
+        sin = torch.cat([angle.sin(), angle.sin()]).to(torch.float32)
+        half = cos.shape[0] // 2
+        for layer in range(self.cache.shape.layers):
+            keys = self.cache.layer(layer)[0][:, start:start + length]
+            k = keys.float()
+            rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+            keys.copy_((k * cos + rotated * sin).to(keys.dtype))
+
+    # -- state -----------------------------------------------------------------------------
+
+    def positions(self) -> torch.Tensor:
+        """The (t, h, w) positions `[3, length]` of every cached token, in slot order."""
+        if not self.spans:
+            return torch.empty((3, 0), dtype=torch.long)
+        return torch.cat([s.positions for s in self.spans], 1)
+
+    def state(self) -> dict:
+        s = self.stats
+        return {"frames": s.frames, "visual_tokens": s.visual_tokens, "text_tokens": s.text_tokens,
+                "cache_tokens": self.cache.length, "cache_bound": self.cache.max_tokens,
+                "next_position": self.next_pos, "max_positions": self.max_positions,
+                "evicted_frames": s.evicted_frames, "evicted_text_tokens": s.evicted_text_tokens,
+                "reanchors": s.reanchors, "frame_tokens": self.frame_tokens}
+
+
+# ---------------------------------------------------------------------------------------------
+# the VisionEncoder for a session's video stream
+
+
+class QwenVLEncoder(VisionEncoder):
+    """`VisionEncoder` over a `VLMStream`: each frame's vision embeddings go into the stream's
+    own cache (nothing for the text session to append). Bounded by default."""
+
+    name = "qwen2.5-vl"
+    appends_text = False
+
+    def __init__(self, stream: VLMStream, max_pixels: int = 4096 * 4096) -> None:
+        self.stream = stream
+        self.max_pixels = max_pixels
+
+    def encode(self, frames: Sequence[Frame]) -> list[Observation]:
+        out = []
+        for frame in frames:
+            if frame.height * frame.width > self.max_pixels:
+                raise MediaTooLarge(f"frame of {frame.width}x{frame.height} pixels exceeds "
+                                    f"{self.max_pixels} pixels")
+            evicted = self.stream.stats.evicted_frames
+            tokens = self.stream.append_image(frame.image, ts=frame.ts)
+            events = ["evicted"] if self.stream.stats.evicted_frames > evicted else []
+            out.append(Observation(start_s=frame.pts, end_s=frame.pts, ts=frame.ts, tokens=tokens,
+                                   frames=[frame.index], events=events))
+        return out
+
+    def state(self) -> dict:
+        return {"encoder": self.name, **self.stream.state()}
+
+    def close(self) -> None:
+        self.stream.cache.release()
+        self.stream.spans.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+@dataclass(slots=True)
+class TinyVLMConfig:
+    """A tiny random-weight Qwen2.5-VL for tests and benchmarks (vocabulary of ids only)."""
+
+    seed: int = 0
+    vocab: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    max_positions: int = 4096
+    vision_hidden: int = 32
+    vision_depth: int = 2
+    extra: dict = field(default_factory=dict)
+
+
+def build_tiny_vlm(config: TinyVLMConfig = TinyVLMConfig(), dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A seeded tiny Qwen2.5-VL (fp32 by default). Special ids sit at the top of the vocabulary."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    half = config.hidden // config.heads // 2  # rotary frequencies per head
+    t = half // 4  # mrope_section splits them as Qwen2.5-VL does ([16, 24, 24] of 64): 1/4, 3/8, 3/8
+    section = [t, (half - t) // 2, half - t - (half - t) // 2]
+    v = config.vocab
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=v, hidden_size=config.hidden, intermediate_size=config.hidden * 2,
+                         num_hidden_layers=config.layers, num_attention_heads=config.heads,
+                         num_key_value_heads=config.kv_heads, max_position_embeddings=config.max_positions,
+                         bos_token_id=None, eos_token_id=v - 1, pad_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
+        vision_config=dict(depth=config.vision_depth, hidden_size=config.vision_hidden,
+                           intermediate_size=config.vision_hidden * 2, num_heads=2,
+                           out_hidden_size=config.hidden, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=112, fullatt_block_indexes=[config.vision_depth - 1]),
+        image_token_id=v - 6, video_token_id=v - 5, vision_start_token_id=v - 4, vision_end_token_id=v - 3,
+        **config.extra,
+    )
+    torch.manual_seed(config.seed)
+    return Qwen2_5_VLForConditionalGeneration(cfg).to(dtype).eval()
+
+
+def load_vlm(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> tuple[torch.nn.Module, object]:
+    """A Qwen2.5-VL checkpoint (Hugging Face id or local directory) and its tokenizer."""
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from streamer.sessions.models import ModelLoadError, parse_dtype
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(spec, dtype=parse_dtype(dtype))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load vision-language model {spec!r}: {exc}") from exc
+    return model.to(device).eval(), tokenizer
