@@ -53,9 +53,10 @@ class EnergyVad:
 
 
 class SileroVad:
-    """Silero VAD v6 from faster-whisper's assets. Each window is scored with the last 64
-    samples of the window before it as context, exactly as over a whole recording, so the
-    probabilities do not depend on how the stream was cut into pieces."""
+    """Silero VAD v6, the ONNX model in faster-whisper's assets. Its recurrent state and each
+    window's 64-sample context carry from call to call, so the probabilities are those of the
+    whole recording however the stream was cut into pieces (faster-whisper's own wrapper resets
+    the state per call, so the ONNX session is run here directly)."""
 
     CONTEXT = 64
 
@@ -64,16 +65,20 @@ class SileroVad:
             from faster_whisper.vad import get_vad_model
         except ImportError as e:
             raise UnsupportedMedia("Silero VAD needs faster-whisper: install streamer[media]") from e
-        self._model = get_vad_model()
-        self._last = np.zeros(WINDOW, np.float32)  # the window before this call's first one
+        self._session = get_vad_model().session
+        self._h = np.zeros((1, 1, 128), np.float32)
+        self._c = np.zeros((1, 1, 128), np.float32)
+        self._context = np.zeros(self.CONTEXT, np.float32)  # the tail of the previous window
 
     def __call__(self, windows: np.ndarray) -> np.ndarray:
         if not len(windows):
             return np.zeros(0, np.float32)
-        audio = np.concatenate([self._last, windows.reshape(-1)]).astype(np.float32)
-        probs = np.asarray(self._model(audio, WINDOW, self.CONTEXT)).reshape(-1)[1:]
-        self._last = windows[-1].astype(np.float32)
-        return probs
+        windows = windows.astype(np.float32, copy=False)
+        context = np.concatenate([self._context[None, :], windows[:-1, -self.CONTEXT:]])
+        batch = np.concatenate([context, windows], axis=1)
+        out, self._h, self._c = self._session.run(None, {"input": batch, "h": self._h, "c": self._c})
+        self._context = windows[-1, -self.CONTEXT:].copy()
+        return np.asarray(out, np.float32).reshape(-1)
 
 
 def default_vad() -> VoiceActivity:

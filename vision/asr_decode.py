@@ -148,6 +148,7 @@ class OggPages:
         self._packet = bytearray()  # a packet continued across pages
         self.serial: int | None = None
         self.resyncs = 0
+        self._lost = False  # skipping damage already reported, until the next good page
 
     def feed(self, data: bytes) -> tuple[list[bytes], str | None]:
         """Packets completed by `data`, and an error message if corrupt bytes were skipped."""
@@ -161,7 +162,8 @@ class OggPages:
                 if start < 0:  # keep a possible partial capture pattern at the end
                     skipped = max(0, len(self._buf) - 3)
                 if skipped:
-                    error = error or f"{skipped} bytes of non-Ogg data skipped"
+                    if not self._lost:
+                        error = error or f"{skipped} bytes of non-Ogg data skipped"
                     self._drop(skipped)
                 if start < 0:
                     return packets, error
@@ -169,7 +171,8 @@ class OggPages:
             if page is None:
                 return packets, error
             if isinstance(page, str):
-                error = error or page
+                if not self._lost:
+                    error = error or page
                 self._drop(4)  # resynchronise on the next capture pattern
                 continue
             packets.extend(page)
@@ -178,6 +181,7 @@ class OggPages:
         return len(self._buf)
 
     def _drop(self, n: int) -> None:
+        self._lost = True
         del self._buf[:n]
         self._packet.clear()  # a packet spanning the damage is lost
         self.resyncs += 1
@@ -201,6 +205,7 @@ class OggPages:
         if ogg_crc(page) != crc:
             return "Ogg page checksum mismatch (corrupt bytes)"
         del buf[:size]
+        self._lost = False
         if self.serial is None:
             self.serial = serial
         if serial != self.serial:  # a multiplexed second stream: not ours
@@ -266,8 +271,7 @@ class OpusDecoder:
 
     def _open(self, head: bytes) -> None:
         if not head.startswith(b"OpusHead") or len(head) < 19:
-            kind = head[1:7].decode("ascii", "replace") if head[:1] in (b"\x01", b"\x7f") else head[:8].hex()
-            raise UnsupportedMedia(f"the Ogg stream is not Opus (first packet: {kind!r}); send Ogg-Opus, "
+            raise UnsupportedMedia(f"the Ogg stream is not Opus (first packet starts {head[:8]!r}); send Ogg-Opus, "
                                    "ADTS AAC or pcm_s16le")
         self._skip = struct.unpack_from("<H", head, 10)[0]
         codec = self._av.CodecContext.create("libopus" if "libopus" in self._av.codecs_available else "opus", "r")

@@ -31,7 +31,7 @@ import numpy as np
 
 from .asr import WINDOW, Transcriber, VoiceActivity
 from .asr_decode import RATE, make_decoder, take
-from .errors import MediaHeaderInvalid, MediaTooLarge, UnsupportedMedia
+from .errors import MediaDecodeError, MediaHeaderInvalid, MediaTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class AudioStream:
     def feed(self, payload: bytes, ts: float | None = None) -> list[Transcript]:
         """Decode a piece; transcripts it completed (and any held back by an earlier error)."""
         if self.ended:
-            raise UnsupportedMedia("the audio stream has ended; start a new one for more audio")
+            raise MediaDecodeError("the audio stream has already ended; start a new one for more audio")
         if len(payload) > self.max_payload_bytes:
             self.stats["errors"] += 1
             raise MediaTooLarge(f"audio piece of {len(payload)} bytes exceeds the limit of "
