@@ -336,6 +336,7 @@ class VLMStream:
 
     # -- bounded memory --------------------------------------------------------------------
 
+    @torch.inference_mode()  # the cache buffers are inference tensors (grown inside forwards)
     def _make_room(self, kind: str, n: int) -> None:
         """Evict before prefilling `n` tokens of `kind`, then re-anchor positions."""
         if self.window is None:

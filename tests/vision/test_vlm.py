@@ -251,10 +251,11 @@ def test_long_stream_stays_within_its_bound_and_position_range():
     """Hundreds of frames with text between them, on a model with only 512 positions: the cache
     stays within the window's bound, positions stay in range, logits stay finite."""
     model = build_tiny_vlm(TinyVLMConfig(seed=3, max_positions=512))
-    window = Window(sink_tokens=8, vision_tokens=4 * 18, text_tokens=96)
+    window = Window(sink_tokens=8, vision_tokens=4 * 18, text_tokens=200)
     stream = VLMStream(model, frame_tokens=16, window=window)
     bound = window.bound(16)
     assert stream.cache.max_tokens == bound <= 512
+    assert bound > stream.cache.capacity  # the buffer grows while the stream runs
     stream.append_tokens(list(range(10, 20)))
     rng = np.random.default_rng(0)
     appended = 0
