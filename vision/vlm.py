@@ -461,6 +461,26 @@ class QwenVLEncoder(VisionEncoder):
         self.stream.spans.clear()
 
 
+def vlm_encoder_factory(model: torch.nn.Module, tokenizer=None, *, frame_tokens: int = 256,
+                        window: Window | None = Window(), prompt: Sequence[int] | str | None = None,
+                        max_pixels: int = 4096 * 4096):
+    """A zero-argument factory of `QwenVLEncoder`s that share one loaded model (for
+    `streamer.media.MediaConfig.video_encoder`): each media stream gets its own stream cache,
+    bounded by `window`, starting with `prompt` (text or token ids; its first tokens become the
+    attention sinks). Streams of different sessions may run on different threads: a forward
+    keeps its per-call state in its own metadata, never in the model."""
+
+    def make() -> QwenVLEncoder:
+        stream = VLMStream(model, tokenizer, frame_tokens=frame_tokens, window=window)
+        if isinstance(prompt, str):
+            stream.append_text(prompt)
+        elif prompt:
+            stream.append_tokens(prompt)
+        return QwenVLEncoder(stream, max_pixels=max_pixels)
+
+    return make
+
+
 # ---------------------------------------------------------------------------------------------
 # models
 
