@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from streamer.sessions.errors import ContextOverflow
 from streamer.sessions.kvcache import KVCache, KVShape
 from streamer.sessions.runner import ATTENTION_NAME, SeqStep, StepMetadata, register_attention
 
@@ -134,14 +135,16 @@ def patchify(image: np.ndarray, max_tokens: int, spec: PatchSpec = PatchSpec()) 
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """Bounded memory for an unbounded stream. The cache never holds more than `bound` tokens:
-    sink spans (everything that began within the first `sink_tokens`), at most `vision_tokens`
-    of recent frames and `text_tokens` of recent text, plus one incoming frame of up to
-    `frame_tokens` (its visual tokens and two markers)."""
+    """Bounded memory for an unbounded stream. The committed cache never holds more than
+    `bound` tokens: sink spans (everything that began within the first `sink_tokens`), at most
+    `vision_tokens` of recent frames and `text_tokens` of recent text, plus one incoming frame
+    of up to `frame_tokens` (its visual tokens and two markers). `query_tokens` more are kept
+    free for questions (a question and its answer, read as a fork past the committed cache)."""
 
     sink_tokens: int = 64
     vision_tokens: int = 1024
     text_tokens: int = 2048
+    query_tokens: int = 256
 
     def bound(self, frame_tokens: int) -> int:
         return self.sink_tokens + frame_tokens + 2 + self.vision_tokens + self.text_tokens
@@ -212,11 +215,13 @@ class VLMStream:
                                  f"frame of {frame_tokens} (+2 markers)")
             if window.text_tokens < 1:
                 raise ValueError("text window must hold at least one token")
-            limit = window.bound(frame_tokens)
+            limit = window.bound(frame_tokens) + window.query_tokens
             if limit > self.max_positions:
-                raise ValueError(f"window bound {limit} exceeds the model's {self.max_positions} positions")
+                raise ValueError(f"window bound {window.bound(frame_tokens)} + {window.query_tokens} query "
+                                 f"tokens exceeds the model's {self.max_positions} positions")
+            self.bound = window.bound(frame_tokens)
         else:
-            limit = max_tokens or self.max_positions
+            limit = self.bound = max_tokens or self.max_positions
         param = next(model.parameters())
         tc = self.text_config
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
@@ -321,7 +326,8 @@ class VLMStream:
             raise ValueError("generate needs prompt tokens")
         start, pos = self.cache.length, self.next_pos
         if start + len(ids) + max_new_tokens > self.cache.max_tokens:
-            raise ValueError("prompt and answer do not fit the cache")
+            raise ContextOverflow(f"a question of {len(ids)} tokens with up to {max_new_tokens} answer tokens "
+                                  f"does not fit after {start} cached tokens (cache of {self.cache.max_tokens})")
         logits = self._forward(self._embed(ids), torch.arange(pos, pos + len(ids)).expand(3, -1), start)
         out: list[int] = []
         while len(out) < max_new_tokens:
@@ -340,9 +346,9 @@ class VLMStream:
     def _make_room(self, kind: str, n: int) -> None:
         """Evict before prefilling `n` tokens of `kind`, then re-anchor positions."""
         if self.window is None:
-            if self.cache.length + n > self.cache.max_tokens:
-                raise MediaTooLarge(f"the stream's cache is full ({self.cache.max_tokens} tokens); "
-                                    "open it with a window for unbounded input")
+            if self.cache.length + n > self.bound:
+                raise ContextOverflow(f"{n} more tokens do not fit the stream's cache ({self.cache.length} of "
+                                      f"{self.bound} used); open it with a window for unbounded input")
             return
         limit = self.window.vision_tokens if kind == "frame" else self.window.text_tokens
         spans = [s for s in self.spans if s.kind == kind and not s.pinned]
@@ -419,7 +425,7 @@ class VLMStream:
     def state(self) -> dict:
         s = self.stats
         return {"frames": s.frames, "visual_tokens": s.visual_tokens, "text_tokens": s.text_tokens,
-                "cache_tokens": self.cache.length, "cache_bound": self.cache.max_tokens,
+                "cache_tokens": self.cache.length, "cache_bound": self.bound,
                 "next_position": self.next_pos, "max_positions": self.max_positions,
                 "evicted_frames": s.evicted_frames, "evicted_text_tokens": s.evicted_text_tokens,
                 "reanchors": s.reanchors, "frame_tokens": self.frame_tokens}

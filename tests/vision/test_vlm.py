@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from streamer.sessions.errors import ContextOverflow
 from streamer.vision.encoder import Frame
 from streamer.vision.errors import MediaTooLarge, UnsupportedMedia
 from streamer.vision.vlm import (
@@ -251,10 +252,10 @@ def test_long_stream_stays_within_its_bound_and_position_range():
     """Hundreds of frames with text between them, on a model with only 512 positions: the cache
     stays within the window's bound, positions stay in range, logits stay finite."""
     model = build_tiny_vlm(TinyVLMConfig(seed=3, max_positions=512))
-    window = Window(sink_tokens=8, vision_tokens=4 * 18, text_tokens=200)
+    window = Window(sink_tokens=8, vision_tokens=4 * 18, text_tokens=200, query_tokens=64)
     stream = VLMStream(model, frame_tokens=16, window=window)
     bound = window.bound(16)
-    assert stream.cache.max_tokens == bound <= 512
+    assert stream.bound == bound and bound + window.query_tokens <= 512
     assert bound > stream.cache.capacity  # the buffer grows while the stream runs
     stream.append_tokens(list(range(10, 20)))
     rng = np.random.default_rng(0)
@@ -278,6 +279,11 @@ def test_long_stream_stays_within_its_bound_and_position_range():
     assert [s.start for s in stream.spans] == sorted(s.start for s in stream.spans)
     sinks = [s for s in stream.spans if s.pinned]
     assert sum(s.length for s in sinks) == 8 and sinks[0].base == 0  # sinks never move
+    length = stream.cache.length
+    answer = stream.generate(list(range(30, 60)), max_new_tokens=20)  # a question still fits
+    assert len(answer) == 20 and stream.cache.length == length
+    with pytest.raises(ContextOverflow):
+        stream.generate(list(range(300)), max_new_tokens=20)
 
 
 def test_window_settings_are_checked(models):
@@ -290,6 +296,6 @@ def test_window_settings_are_checked(models):
         VLMStream(model, frame_tokens=0)
     unbounded = VLMStream(model, frame_tokens=16, max_tokens=40)
     unbounded.append_tokens(list(range(30)))
-    with pytest.raises(MediaTooLarge):
+    with pytest.raises(ContextOverflow):
         unbounded.append_image(picture(1, 200, 200))
     assert unbounded.cache.length == 30
