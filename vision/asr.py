@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +27,18 @@ from .errors import UnsupportedMedia
 log = logging.getLogger(__name__)
 
 WINDOW = 512  # samples per voice-activity window at 16 kHz (32 ms), Silero's unit
+
+
+@dataclass(slots=True)
+class Transcript:
+    """What was said in one voice-activity segment, so far (partial) or in full (final); times
+    in seconds on the sender's clock."""
+
+    text: str
+    start_s: float
+    end_s: float
+    final: bool
+    segment: int
 
 
 class Transcriber(Protocol):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from streamer.sessions.session import AppendResult
 
-from .audio import Transcript
+from .asr import Transcript
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,13 @@ class TranscriptSink:
         kind = self.label if t.final else f"{self.label} (partial)"
         return f"[{t.start_s - self.origin:.1f}-{t.end_s - self.origin:.1f}s] {kind}: {t.text}\n"
 
-    def apply(self, transcripts: list[Transcript]) -> list[AppendResult]:
+    def apply_all(self, transcripts: list[Transcript]) -> list[AppendResult]:
         """Write transcripts in order; the engine's results (one per write)."""
-        results = []
-        for t in transcripts:
-            result = self._apply(t)
-            if result is not None:
-                results.append(result)
-        return results
+        return [r for r in map(self.apply, transcripts) if r is not None]
 
-    def _apply(self, t: Transcript) -> AppendResult | None:
+    def apply(self, t: Transcript) -> AppendResult | None:
+        """Write one transcript; the engine's result, or None when there was nothing to write
+        (an empty transcript with no chunk of its segment to revise)."""
         written = self._open if self._open is not None and self._open.segment == t.segment else None
         if written is not None and not self._still_last(written.seq):
             self.stats["frozen_partials"] += 1

@@ -29,22 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .asr import WINDOW, Transcriber, VoiceActivity
+from .asr import WINDOW, Transcriber, Transcript, VoiceActivity
 from .asr_decode import RATE, make_decoder, take
 from .errors import MediaDecodeError, MediaHeaderInvalid, MediaTooLarge
 
+__all__ = ["AudioStream", "Transcript", "TranscriptSink"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Transcript:
-    """What was said in one voice-activity segment, so far (partial) or in full (final)."""
-
-    text: str
-    start_s: float
-    end_s: float
-    final: bool
-    segment: int
 
 
 @dataclass(slots=True)
@@ -252,3 +243,6 @@ class AudioStream:
         self.stats["segments"] += final
         if text or final:
             self._out.append(Transcript(text, round(seg.start_s, 3), round(end, 3), final, seg.number))
+
+
+from .asr_sink import TranscriptSink  # noqa: E402  (re-exported: the sink lives beside the stream's API)

@@ -37,7 +37,7 @@ def test_partials_then_final_equal_appending_the_final(tiny, engine_factory, tra
     live = engine.create_session().result()["session_id"]
     plain = engine.create_session().result()["session_id"]
     sink = TranscriptSink(engine, live, origin=0.5)
-    sink.apply(transcripts)
+    sink.apply_all(transcripts)
     for t in transcripts:
         if t.final:
             engine.append(plain, sink.text(t)).result()
@@ -60,9 +60,9 @@ def test_input_after_a_partial_is_never_replaced(tiny, engine_factory):
     engine = engine_factory(tiny[0])
     sid = engine.create_session().result()["session_id"]
     sink = TranscriptSink(engine, sid)
-    sink.apply([Transcript("turn on the", 1.0, 2.0, False, 1)])
+    sink.apply_all([Transcript("turn on the", 1.0, 2.0, False, 1)])
     engine.append(sid, "[1.5s] saw: a red door\n").result()
-    sink.apply([Transcript("turn on the lights", 1.0, 3.0, True, 1)])
+    sink.apply_all([Transcript("turn on the lights", 1.0, 3.0, True, 1)])
     assert chunk_texts(engine, sid) == ["[1.0-2.0s] heard (partial): turn on the\n", "[1.5s] saw: a red door\n",
                                         "[1.0-3.0s] heard: turn on the lights\n"]
     assert sink.stats["frozen_partials"] == 1
@@ -72,11 +72,11 @@ def test_an_empty_final_removes_its_partial_and_a_lone_final_appends(tiny, engin
     engine = engine_factory(tiny[0])
     sid = engine.create_session().result()["session_id"]
     sink = TranscriptSink(engine, sid)
-    sink.apply([Transcript("we need", 0.0, 1.0, False, 1), Transcript("we need more", 0.0, 1.5, False, 1)])
+    sink.apply_all([Transcript("we need", 0.0, 1.0, False, 1), Transcript("we need more", 0.0, 1.5, False, 1)])
     assert chunk_texts(engine, sid) == ["[0.0-1.5s] heard (partial): we need more\n"]
-    sink.apply([Transcript("", 0.0, 2.0, True, 1)])
+    sink.apply_all([Transcript("", 0.0, 2.0, True, 1)])
     assert chunk_texts(engine, sid) == []
-    sink.apply([Transcript("coffee", 3.0, 4.0, True, 2), Transcript("", 5.0, 6.0, True, 3)])
+    sink.apply_all([Transcript("coffee", 3.0, 4.0, True, 2), Transcript("", 5.0, 6.0, True, 3)])
     assert chunk_texts(engine, sid) == ["[3.0-4.0s] heard: coffee\n"]
     assert sink.stats == {"appends": 2, "revises": 2, "frozen_partials": 0}
 
