@@ -1,8 +1,8 @@
 """The vision-language path: Qwen2.5-VL reading a live stream of frames and text into one cache.
 
-Each frame is resized to fit a visual-token budget, cut into the model's patches (numpy/torch
-here: transformers' fast image processor needs torchvision, which does not import beside this
-torch build), encoded by the model's vision tower, and its embeddings are prefilled into the
+Each frame is resized to fit a visual-token budget, cut into the model's patches
+(`vlm_patches.py`: numpy/torch, since transformers' fast image processor needs torchvision,
+which does not import beside this torch build), encoded by the model's vision tower, and its embeddings are prefilled into the
 stream's KV cache between `<|vision_start|>` and `<|vision_end|>`. Text appended between frames
 goes into the same cache. The language model runs through the project's attention hook
 (`streamer.sessions.runner`): new keys and values are written into a `KVCache` at explicit
@@ -28,105 +28,24 @@ the stream never runs past the model's position range however long it runs.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from streamer.sessions.errors import ContextOverflow
 from streamer.sessions.kvcache import KVCache, KVShape
 from streamer.sessions.runner import ATTENTION_NAME, SeqStep, StepMetadata, register_attention
 
 from .encoder import Frame, Observation, VisionEncoder
-from .errors import MediaTooLarge, UnsupportedMedia
+from .errors import MediaTooLarge
+from .vlm_patches import PatchSpec, fit_size, patchify
+
+__all__ = ["PatchSpec", "QwenVLEncoder", "TinyVLMConfig", "VLMStream", "Window", "build_tiny_vlm",
+           "fit_size", "load_vlm", "patchify", "vlm_encoder_factory"]
 
 log = logging.getLogger(__name__)
-
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the image processor's normalisation (OpenAI CLIP)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-MAX_ASPECT = 200  # Qwen2-VL's processor refuses more extreme aspect ratios
-
-
-# ---------------------------------------------------------------------------------------------
-# pixels -> patches
-
-
-@dataclass(frozen=True, slots=True)
-class PatchSpec:
-    """How the vision tower wants its pixels (read from the model's vision config)."""
-
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 56 * 56
-
-    @classmethod
-    def from_config(cls, vision_config) -> "PatchSpec":
-        return cls(patch_size=vision_config.patch_size, merge_size=vision_config.spatial_merge_size,
-                   temporal_patch_size=vision_config.temporal_patch_size)
-
-    @property
-    def factor(self) -> int:
-        """Pixels per merged token along one side (28 for Qwen2.5-VL)."""
-        return self.patch_size * self.merge_size
-
-
-def fit_size(height: int, width: int, max_tokens: int, spec: PatchSpec = PatchSpec()) -> tuple[int, int]:
-    """The resized (height, width) for a frame: multiples of `spec.factor`, aspect ratio kept as
-    far as rounding allows, at most `max_tokens` merged tokens. Follows Qwen2-VL's
-    `smart_resize` (same result whenever that fits the budget), then shrinks the longer side
-    if rounding up to one factor overshot a small budget."""
-    if height < 1 or width < 1:
-        raise UnsupportedMedia(f"frame of {width}x{height} pixels has no area")
-    if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise UnsupportedMedia(f"frame of {width}x{height}: aspect ratio beyond {MAX_ASPECT}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    f = spec.factor
-    max_pixels = max_tokens * f * f
-    min_pixels = min(spec.min_pixels, max_pixels)
-    h, w = round(height / f) * f, round(width / f) * f
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(f, math.floor(height / beta / f) * f)
-        w = max(f, math.floor(width / beta / f) * f)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
-    while (h // f) * (w // f) > max_tokens:  # only for extreme aspect ratios on tiny budgets
-        if h >= w:
-            h -= f
-        else:
-            w -= f
-    return h, w
-
-
-def patchify(image: np.ndarray, max_tokens: int, spec: PatchSpec = PatchSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """An RGB uint8 frame `[H, W, 3]` -> (pixel_values `[gh * gw, 3 * T * P * P]` float32, grid
-    `(1, gh, gw)` in patches). Resized (bicubic, antialiased, rounded to 8 bits like the PIL
-    processor) to fit `max_tokens`, scaled to [0, 1], CLIP-normalised, and laid out as the
-    vision tower reads it: rows in merge order (merge blocks row-major, patches row-major
-    inside a block), each row channel-major then time (the still frame repeated
-    `temporal_patch_size` times) then patch rows and columns."""
-    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-        raise UnsupportedMedia(f"frames must be RGB uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
-    height, width = image.shape[:2]
-    h, w = fit_size(height, width, max_tokens, spec)
-    pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float()  # [3, H, W]
-    if (h, w) != (height, width):
-        pixels = F.interpolate(pixels[None], size=(h, w), mode="bicubic", antialias=True,
-                               align_corners=False)[0].round_().clamp_(0, 255)
-    mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(3, 1, 1)
-    pixels = (pixels / 255.0 - mean) / std
-    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
-    gh, gw = h // p, w // p
-    blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-    blocks = blocks.unsqueeze(5).expand(*blocks.shape[:5], t, p, p)  # (bh, bw, mh, mw, C, T, ph, pw)
-    return blocks.reshape(gh * gw, 3 * t * p * p).contiguous(), (1, gh, gw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +112,8 @@ class VLMStream:
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, frame_tokens: int = 256,
                  window: Window | None = None, max_tokens: int | None = None) -> None:
         register_attention()
-        model.set_attn_implementation({"text_config": ATTENTION_NAME})
+        if model.config.text_config._attn_implementation != ATTENTION_NAME:  # shared models: set once
+            model.set_attn_implementation({"text_config": ATTENTION_NAME})
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
@@ -326,8 +246,9 @@ class VLMStream:
             raise ValueError("generate needs prompt tokens")
         start, pos = self.cache.length, self.next_pos
         if start + len(ids) + max_new_tokens > self.cache.max_tokens:
-            raise ContextOverflow(f"a question of {len(ids)} tokens with up to {max_new_tokens} answer tokens "
-                                  f"does not fit after {start} cached tokens (cache of {self.cache.max_tokens})")
+            raise ContextOverflow(f"a question of {len(ids)} tokens with up to {max_new_tokens} answer "
+                                  f"tokens does not fit after {start} cached tokens "
+                                  f"(cache of {self.cache.max_tokens})")
         logits = self._forward(self._embed(ids), torch.arange(pos, pos + len(ids)).expand(3, -1), start)
         out: list[int] = []
         while len(out) < max_new_tokens:
@@ -347,8 +268,8 @@ class VLMStream:
         """Evict before prefilling `n` tokens of `kind`, then re-anchor positions."""
         if self.window is None:
             if self.cache.length + n > self.bound:
-                raise ContextOverflow(f"{n} more tokens do not fit the stream's cache ({self.cache.length} of "
-                                      f"{self.bound} used); open it with a window for unbounded input")
+                raise ContextOverflow(f"{n} more tokens do not fit the stream's cache ({self.cache.length} "
+                                      f"of {self.bound} used); open it with a window for unbounded input")
             return
         limit = self.window.vision_tokens if kind == "frame" else self.window.text_tokens
         spans = [s for s in self.spans if s.kind == kind and not s.pinned]
@@ -367,6 +288,8 @@ class VLMStream:
         if drop:
             self._evict(drop)
             self._reanchor()
+            log.debug("evicted %d %s range(s) before %d new tokens; next position %d, cache %d/%d",
+                      len(drop), kind, n, self.next_pos, self.cache.length, self.bound)
 
     def _evict(self, ranges: list[tuple[int, int]]) -> None:
         for start, end in sorted(ranges, reverse=True):
@@ -507,32 +430,33 @@ class TinyVLMConfig:
     extra: dict = field(default_factory=dict)
 
 
-def build_tiny_vlm(config: TinyVLMConfig = TinyVLMConfig(), dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_tiny_vlm(config: TinyVLMConfig | None = None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A seeded tiny Qwen2.5-VL (fp32 by default). Special ids sit at the top of the vocabulary."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = config or TinyVLMConfig()
 
     half = config.hidden // config.heads // 2  # rotary frequencies per head
     t = half // 4  # mrope_section splits them as Qwen2.5-VL does ([16, 24, 24] of 64): 1/4, 3/8, 3/8
     section = [t, (half - t) // 2, half - t - (half - t) // 2]
     v = config.vocab
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=v, hidden_size=config.hidden, intermediate_size=config.hidden * 2,
-                         num_hidden_layers=config.layers, num_attention_heads=config.heads,
-                         num_key_value_heads=config.kv_heads, max_position_embeddings=config.max_positions,
-                         bos_token_id=None, eos_token_id=v - 1, pad_token_id=None,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
-        vision_config=dict(depth=config.vision_depth, hidden_size=config.vision_hidden,
-                           intermediate_size=config.vision_hidden * 2, num_heads=2,
-                           out_hidden_size=config.hidden, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, window_size=112, fullatt_block_indexes=[config.vision_depth - 1]),
-        image_token_id=v - 6, video_token_id=v - 5, vision_start_token_id=v - 4, vision_end_token_id=v - 3,
-        **config.extra,
-    )
+    text = {"vocab_size": v, "hidden_size": config.hidden, "intermediate_size": config.hidden * 2,
+            "num_hidden_layers": config.layers, "num_attention_heads": config.heads,
+            "num_key_value_heads": config.kv_heads, "max_position_embeddings": config.max_positions,
+            "bos_token_id": None, "eos_token_id": v - 1, "pad_token_id": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}}
+    vision = {"depth": config.vision_depth, "hidden_size": config.vision_hidden,
+              "intermediate_size": config.vision_hidden * 2, "num_heads": 2, "out_hidden_size": config.hidden,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+              "fullatt_block_indexes": [config.vision_depth - 1]}
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=v - 6, video_token_id=v - 5,
+                           vision_start_token_id=v - 4, vision_end_token_id=v - 3, **config.extra)
     torch.manual_seed(config.seed)
     return Qwen2_5_VLForConditionalGeneration(cfg).to(dtype).eval()
 
 
-def load_vlm(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> tuple[torch.nn.Module, object]:
+def load_vlm(spec: str, dtype: str | torch.dtype = "float32",
+             device: str = "cpu") -> tuple[torch.nn.Module, object]:
     """A Qwen2.5-VL checkpoint (Hugging Face id or local directory) and its tokenizer."""
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
