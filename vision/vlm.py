@@ -35,8 +35,10 @@ import numpy as np
 import torch
 
 from streamer.sessions.errors import ContextOverflow
+from streamer.sessions.framing import Framing
 from streamer.sessions.kvcache import KVCache, KVShape
 from streamer.sessions.runner import ATTENTION_NAME, SeqStep, StepMetadata, register_attention
+from streamer.sessions.sampling import stop_token_ids
 
 from .encoder import Frame, Observation, VisionEncoder
 from .errors import MediaTooLarge
@@ -46,6 +48,11 @@ __all__ = ["PatchSpec", "QwenVLEncoder", "TinyVLMConfig", "VLMStream", "Window",
            "fit_size", "load_vlm", "patchify", "vlm_encoder_factory"]
 
 log = logging.getLogger(__name__)
+
+VIDEO_SYSTEM_PROMPT = (
+    "You are a helpful assistant. The user streams video frames to you as they are captured. "
+    "Answer questions about what you have seen briefly and accurately."
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,13 +117,15 @@ class VLMStream:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, frame_tokens: int = 256,
-                 window: Window | None = None, max_tokens: int | None = None) -> None:
+                 window: Window | None = None, max_tokens: int | None = None,
+                 system_prompt: str | None = None) -> None:
         register_attention()
         if model.config.text_config._attn_implementation != ATTENTION_NAME:  # shared models: set once
             model.set_attn_implementation({"text_config": ATTENTION_NAME})
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
+        self.system_prompt = system_prompt if system_prompt is not None else VIDEO_SYSTEM_PROMPT
         cfg = model.config
         self.text_config = cfg.text_config
         self.lm = model.model.language_model
@@ -238,9 +247,11 @@ class VLMStream:
 
     # -- questions -------------------------------------------------------------------------
 
-    def generate(self, ids: Sequence[int], max_new_tokens: int = 16, eos_id: int | None = None) -> list[int]:
+    def generate(self, ids: Sequence[int], max_new_tokens: int = 16,
+                 stop_ids: frozenset[int] = frozenset()) -> list[int]:
         """Greedy answer to prompt tokens, read as a fork past the committed cache: the stream is
-        left exactly as it was (nothing committed, positions untouched)."""
+        left exactly as it was (nothing committed, positions untouched). Stops after a token in
+        `stop_ids` (kept in the result) or `max_new_tokens`."""
         ids = [int(i) for i in ids]
         if not ids:
             raise ValueError("generate needs prompt tokens")
@@ -254,12 +265,29 @@ class VLMStream:
         while len(out) < max_new_tokens:
             token = int(logits.argmax())
             out.append(token)
-            if token == eos_id or len(out) == max_new_tokens:
+            if token in stop_ids or len(out) == max_new_tokens:
                 break
             at = len(ids) + len(out) - 1
             logits = self._forward(self._embed([token]), torch.full((3, 1), pos + at), start + at)
         self.cache.trim()
         return out
+
+    def ask(self, question: str, max_new_tokens: int = 64) -> str:
+        """Answer a question about what the stream has read, framed by the tokenizer's chat
+        template (it closes the data turn that `data_prompt` opened, adds the question turn and
+        the assistant header); greedy, as a fork, so the stream is untouched."""
+        if self.tokenizer is None:
+            raise ValueError("this stream has no tokenizer; use generate() with token ids")
+        framing = Framing.for_tokenizer(self.tokenizer, self.system_prompt)
+        ids = self.tokenizer.encode(framing.question_text(question), add_special_tokens=False)
+        out = self.generate(ids, max_new_tokens, stop_token_ids(self.tokenizer, self.model))
+        return self.tokenizer.decode(out, skip_special_tokens=True).strip()
+
+    def data_prompt(self) -> str:
+        """The system prompt and the open user turn that frames and questions read into."""
+        if self.tokenizer is None:
+            raise ValueError("this stream has no tokenizer")
+        return Framing.for_tokenizer(self.tokenizer, self.system_prompt).prefix
 
     # -- bounded memory --------------------------------------------------------------------
 
@@ -392,16 +420,21 @@ class QwenVLEncoder(VisionEncoder):
 
 def vlm_encoder_factory(model: torch.nn.Module, tokenizer=None, *, frame_tokens: int = 256,
                         window: Window | None = Window(), prompt: Sequence[int] | str | None = None,
-                        max_pixels: int = 4096 * 4096):
+                        system_prompt: str | None = None, max_pixels: int = 4096 * 4096):
     """A zero-argument factory of `QwenVLEncoder`s that share one loaded model (for
     `streamer.media.MediaConfig.video_encoder`): each media stream gets its own stream cache,
     bounded by `window`, starting with `prompt` (text or token ids; its first tokens become the
-    attention sinks). Streams of different sessions may run on different threads: a forward
-    keeps its per-call state in its own metadata, never in the model."""
+    attention sinks). With a tokenizer and no `prompt`, the stream starts with the chat
+    template's system prompt and open user turn (`VLMStream.data_prompt`), which `ask` closes.
+    Streams of different sessions may run on different threads: a forward keeps its per-call
+    state in its own metadata, never in the model."""
 
     def make() -> QwenVLEncoder:
-        stream = VLMStream(model, tokenizer, frame_tokens=frame_tokens, window=window)
-        if isinstance(prompt, str):
+        stream = VLMStream(model, tokenizer, frame_tokens=frame_tokens, window=window,
+                           system_prompt=system_prompt)
+        if prompt is None and tokenizer is not None:
+            stream.append_text(stream.data_prompt())
+        elif isinstance(prompt, str):
             stream.append_text(prompt)
         elif prompt:
             stream.append_tokens(prompt)

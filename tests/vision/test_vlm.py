@@ -299,3 +299,69 @@ def test_window_settings_are_checked(models):
     with pytest.raises(ContextOverflow):
         unbounded.append_image(picture(1, 200, 200))
     assert unbounded.cache.length == 30
+
+
+def test_streams_sharing_one_model_on_threads_equal_sequential_runs(models):
+    """vlm_encoder_factory shares one model between sessions' encoder threads: concurrent
+    streams give exactly what each gives alone."""
+    import threading
+
+    model, _ = models
+    inputs = {k: [picture(20 * k + i, 70 + 10 * i, 90) for i in range(6)] for k in range(2)}
+
+    def run(k: int, out: dict) -> None:
+        stream = VLMStream(model, frame_tokens=9, window=Window(sink_tokens=2, vision_tokens=33, text_tokens=16))
+        stream.append_tokens([k + 1, k + 2])
+        for img in inputs[k]:
+            stream.append_image(img)
+            stream.append_tokens([k + 3])
+        out[k] = (stream.positions(), stream.logits, stream.cache.snapshot())
+
+    alone: dict = {}
+    for k in inputs:
+        run(k, alone)
+    together: dict = {}
+    threads = [threading.Thread(target=run, args=(k, together)) for k in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in inputs:
+        assert torch.equal(alone[k][0], together[k][0])
+        assert torch.equal(alone[k][1], together[k][1])
+        assert torch.equal(alone[k][2], together[k][2])
+
+
+@pytest.mark.embedded
+def test_ask_frames_the_question_and_matches_stock_greedy(tokenizer):
+    """With a real chat tokenizer (the embedded model's): the stream opens with the chat
+    template's system prompt and data turn, `ask` closes it with the question, and the answer
+    equals stateless greedy decoding over the same tokens; the stream is untouched."""
+    from streamer.sessions.sampling import stop_token_ids
+    from streamer.vision.vlm import vlm_encoder_factory
+
+    cfg = TinyVLMConfig(seed=5, vocab=len(tokenizer), max_positions=1024)
+    model, ref = build_tiny_vlm(cfg), build_tiny_vlm(cfg)
+    encoder = vlm_encoder_factory(model, tokenizer, frame_tokens=9, window=None)()
+    stream = encoder.stream
+    prompt = stream.data_prompt()
+    assert "<|im_start|>" in prompt and stream.system_prompt in prompt
+    img = picture(9, 84, 84)
+    encoder.encode([Frame(img, pts=0.0, ts=0.0, index=0)])
+    stream.append_text("a red square")
+    before, pos = stream.cache.snapshot(), stream.next_pos
+    answer = stream.ask("What is in the picture?", max_new_tokens=6)
+    assert torch.equal(stream.cache.snapshot(), before) and stream.next_pos == pos
+
+    from streamer.sessions.framing import Framing
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    question = enc(Framing.for_tokenizer(tokenizer, stream.system_prompt).question_text("What is in the picture?"))
+    seq = [enc(prompt), img, enc("a red square") + question]
+    stop = stop_token_ids(tokenizer, ref)
+    want: list[int] = []
+    while len(want) < 6 and not (want and want[-1] in stop):
+        logits, _ = reference_logits(ref, seq, frame_tokens=9)
+        want.append(int(logits[-1].argmax()))
+        seq[-1] = seq[-1] + [want[-1]]
+    assert answer == tokenizer.decode(want, skip_special_tokens=True).strip()
