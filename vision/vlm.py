@@ -166,26 +166,37 @@ class VLMStream:
     # -- appends ---------------------------------------------------------------------------
 
     def append_tokens(self, ids: Sequence[int], ts: float | None = None) -> torch.Tensor:
-        """Append text tokens; returns the next-token logits. With a window, text longer than
-        the text window is read in window-sized pieces (older pieces are evicted as it goes)."""
+        """Append text tokens; returns the next-token logits. With a window, the part within the
+        sink budget is pinned, and text longer than the text window is read in window-sized
+        pieces (older pieces are evicted as it goes)."""
         ids = [int(i) for i in ids]
         if not ids:
             raise ValueError("append_tokens needs at least one token")
-        step = self.window.text_tokens if self.window else len(ids)
-        for i in range(0, len(ids), step):
-            self._append_text_piece(ids[i:i + step], ts)
+        for piece in self._text_pieces(ids):
+            self._append_text_piece(piece, ts)
         return self.logits
+
+    def _text_pieces(self, ids: list[int]) -> list[list[int]]:
+        if self.window is None:
+            return [ids]
+        sink = max(0, self.window.sink_tokens - self.cache.length)
+        head, rest = ids[:sink], ids[sink:]
+        step = self.window.text_tokens
+        return ([head] if head else []) + [rest[i:i + step] for i in range(0, len(rest), step)]
 
     def append_text(self, text: str, ts: float | None = None) -> torch.Tensor:
         if self.tokenizer is None:
             raise ValueError("this stream has no tokenizer; append token ids instead")
         return self.append_tokens(self.tokenizer.encode(text, add_special_tokens=False), ts)
 
-    def append_image(self, image: np.ndarray, ts: float | None = None) -> int:
-        """Append one RGB uint8 frame `[H, W, 3]`, resized to fit the per-frame budget. Returns the
-        visual tokens it took (markers not counted)."""
+    def append_image(self, image: np.ndarray, ts: float | None = None, label: str | None = None) -> int:
+        """Append one RGB uint8 frame `[H, W, 3]`, resized to fit the per-frame budget, after an
+        optional text `label` (a timestamp, say; needs the tokenizer). Returns the visual tokens
+        it took (markers not counted). A frame that cannot be used changes nothing."""
         pixels, grid = patchify(image, self.frame_tokens, self.spec)
         embeds = self.encode_pixels(pixels, grid)
+        if label:
+            self.append_text(label, ts)
         n = embeds.shape[0]
         start_emb, end_emb = self._embed([self.vision_start_id, self.vision_end_id])
         inputs = torch.cat([start_emb[None], embeds, end_emb[None]])
@@ -211,10 +222,6 @@ class VLMStream:
         return torch.cat(out.pooler_output).to(param.dtype)
 
     def _append_text_piece(self, ids: list[int], ts: float | None) -> None:
-        sink = self.window.sink_tokens - self.cache.length if self.window else 0
-        if 0 < sink < len(ids):  # only the part within the sink budget is pinned
-            self._append_text_piece(ids[:sink], ts)
-            ids = ids[sink:]
         self._make_room("text", len(ids))
         positions = torch.arange(self.next_pos, self.next_pos + len(ids)).expand(3, -1)
         self._prefill("text", self._embed(ids), positions, extent=len(ids), ts=ts)
@@ -388,14 +395,16 @@ class VLMStream:
 
 class QwenVLEncoder(VisionEncoder):
     """`VisionEncoder` over a `VLMStream`: each frame's vision embeddings go into the stream's
-    own cache (nothing for the text session to append). Bounded by default."""
+    own cache (nothing for the text session to append). With a tokenizer, each frame is
+    preceded by its media time as text (`[12.5s] `), so questions can be about when."""
 
     name = "qwen2.5-vl"
     appends_text = False
 
-    def __init__(self, stream: VLMStream, max_pixels: int = 4096 * 4096) -> None:
+    def __init__(self, stream: VLMStream, max_pixels: int = 4096 * 4096, timestamps: bool | None = None) -> None:
         self.stream = stream
         self.max_pixels = max_pixels
+        self.timestamps = stream.tokenizer is not None if timestamps is None else timestamps
 
     def encode(self, frames: Sequence[Frame]) -> list[Observation]:
         out = []
@@ -404,7 +413,8 @@ class QwenVLEncoder(VisionEncoder):
                 raise MediaTooLarge(f"frame of {frame.width}x{frame.height} pixels exceeds "
                                     f"{self.max_pixels} pixels")
             evicted = self.stream.stats.evicted_frames
-            tokens = self.stream.append_image(frame.image, ts=frame.ts)
+            label = f"[{frame.pts:.1f}s] " if self.timestamps else None
+            tokens = self.stream.append_image(frame.image, ts=frame.ts, label=label)
             events = ["evicted"] if self.stream.stats.evicted_frames > evicted else []
             out.append(Observation(start_s=frame.pts, end_s=frame.pts, ts=frame.ts, tokens=tokens,
                                    frames=[frame.index], events=events))

@@ -220,10 +220,20 @@ def test_generate_is_a_fork_and_matches_stock_greedy(models):
     assert answer == want
 
 
+def layer0_matches(bounded: VLMStream, fresh: VLMStream) -> None:
+    """Positions packed as the fresh stream numbers them; first-layer K/V equal (they depend only
+    on each token and its position, not on what was evicted)."""
+    assert torch.equal(bounded.positions(), fresh.positions())
+    assert bounded.next_pos == fresh.next_pos
+    n = fresh.cache.length
+    assert bounded.cache.length == n
+    for got, want in zip(bounded.cache.layer(0), fresh.cache.layer(0)):
+        assert (got[:, :n] - want[:, :n]).abs().max().item() <= 1e-5
+
+
 def test_reanchored_keys_equal_keys_computed_at_the_new_positions(models):
     """Evicting a frame and re-anchoring: the kept tokens' first-layer keys and values equal a
-    fresh stream over just the kept inputs (first-layer K/V depend only on the token and its
-    position), and positions are packed exactly as that stream numbers them."""
+    fresh stream over just the kept inputs."""
     model, _ = models
     imgs = [picture(10 + i, 84, 84) for i in range(3)]  # 9 visual tokens each at budget 9
     window = Window(sink_tokens=4, vision_tokens=2 * 11, text_tokens=64)
@@ -238,14 +248,33 @@ def test_reanchored_keys_equal_keys_computed_at_the_new_positions(models):
     for img in imgs[1:]:
         fresh.append_image(img)
     fresh.append_tokens([5, 6])
-    assert torch.equal(bounded.positions(), fresh.positions())
-    assert bounded.next_pos == fresh.next_pos
-    k_b, v_b = bounded.cache.layer(0)
-    k_f, v_f = fresh.cache.layer(0)
-    n = fresh.cache.length
-    assert bounded.cache.length == n
-    assert (k_b[:, :n] - k_f[:, :n]).abs().max().item() <= 1e-5
-    assert (v_b[:, :n] - v_f[:, :n]).abs().max().item() <= 1e-5
+    layer0_matches(bounded, fresh)
+
+
+def test_text_evicted_from_its_oldest_token_and_sinks_split_at_their_budget(models):
+    """Text beyond the text window goes from its oldest token (a span can be cut in the middle);
+    a text chunk crossing the sink budget is pinned only up to it."""
+    model, _ = models
+    img = picture(13, 84, 84)
+    bounded = VLMStream(model, frame_tokens=9, window=Window(sink_tokens=4, vision_tokens=11, text_tokens=6))
+    bounded.append_tokens([1, 2, 3, 4, 10, 11, 12])  # 4 pinned + 3 in the text window
+    assert [(s.pinned, s.length) for s in bounded.spans] == [(True, 4), (False, 3)]
+    bounded.append_tokens([13, 14, 15])
+    bounded.append_image(img)
+    bounded.append_tokens([16, 17, 18])  # 9 text tokens for a window of 6: 10, 11, 12 go
+    assert bounded.stats.evicted_text_tokens == 3
+    fresh = VLMStream(model, frame_tokens=9)
+    fresh.append_tokens([1, 2, 3, 4])
+    fresh.append_tokens([13, 14, 15])
+    fresh.append_image(img)
+    fresh.append_tokens([16, 17, 18])
+    layer0_matches(bounded, fresh)
+    bounded.append_tokens([19, 20, 21, 22, 23])  # now 13..15 and 16, 17 go: a span cut in two
+    fresh = VLMStream(model, frame_tokens=9)
+    fresh.append_tokens([1, 2, 3, 4])
+    fresh.append_image(img)
+    fresh.append_tokens([18, 19, 20, 21, 22, 23])
+    layer0_matches(bounded, fresh)
 
 
 def test_long_stream_stays_within_its_bound_and_position_range():
@@ -347,8 +376,9 @@ def test_ask_frames_the_question_and_matches_stock_greedy(tokenizer):
     prompt = stream.data_prompt()
     assert "<|im_start|>" in prompt and stream.system_prompt in prompt
     img = picture(9, 84, 84)
-    encoder.encode([Frame(img, pts=0.0, ts=0.0, index=0)])
+    encoder.encode([Frame(img, pts=0.0, ts=0.0, index=0)])  # after its media time as text
     stream.append_text("a red square")
+    assert [sp.kind for sp in stream.spans] == ["text", "text", "frame", "text"]
     before, pos = stream.cache.snapshot(), stream.next_pos
     answer = stream.ask("What is in the picture?", max_new_tokens=6)
     assert torch.equal(stream.cache.snapshot(), before) and stream.next_pos == pos
@@ -357,7 +387,7 @@ def test_ask_frames_the_question_and_matches_stock_greedy(tokenizer):
 
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     question = enc(Framing.for_tokenizer(tokenizer, stream.system_prompt).question_text("What is in the picture?"))
-    seq = [enc(prompt), img, enc("a red square") + question]
+    seq = [enc(prompt) + enc("[0.0s] "), img, enc("a red square") + question]
     stop = stop_token_ids(tokenizer, ref)
     want: list[int] = []
     while len(want) < 6 and not (want and want[-1] in stop):
