@@ -45,7 +45,7 @@ from .errors import MediaTooLarge
 from .vlm_patches import PatchSpec, fit_size, patchify
 
 __all__ = ["PatchSpec", "QwenVLEncoder", "TinyVLMConfig", "VLMStream", "Window", "build_tiny_vlm",
-           "fit_size", "load_vlm", "patchify", "vlm_encoder_factory"]
+           "fit_size", "load_vlm", "patchify", "vlm_encoder_factory", "vlm_factory_from_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -451,6 +451,18 @@ def vlm_encoder_factory(model: torch.nn.Module, tokenizer=None, *, frame_tokens:
         return QwenVLEncoder(stream, max_pixels=max_pixels)
 
     return make
+
+
+def vlm_factory_from_spec(spec: str, *, frame_tokens: int = 256, window: Window | None = Window(),
+                          dtype: str = "float32", device: str = "cpu"):
+    """An encoder factory from a model spec (for a CLI flag or server config): `tiny` is a seeded
+    random-weight model without a tokenizer (demos, benches: it sees nothing real), anything
+    else a Qwen2.5-VL checkpoint id or directory (loaded once, shared by all streams)."""
+    if spec == "tiny":
+        model, tokenizer = build_tiny_vlm(), None
+    else:
+        model, tokenizer = load_vlm(spec, dtype, device)
+    return vlm_encoder_factory(model, tokenizer, frame_tokens=frame_tokens, window=window)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -395,3 +395,17 @@ def test_ask_frames_the_question_and_matches_stock_greedy(tokenizer):
         want.append(int(logits[-1].argmax()))
         seq[-1] = seq[-1] + [want[-1]]
     assert answer == tokenizer.decode(want, skip_special_tokens=True).strip()
+
+
+def test_factory_from_spec(tmp_path):
+    from streamer.sessions.models import ModelLoadError
+    from streamer.vision.vlm import vlm_factory_from_spec
+
+    make = vlm_factory_from_spec("tiny", frame_tokens=9)
+    a, b = make(), make()
+    assert a.stream.model is b.stream.model and a.stream.cache is not b.stream.cache
+    assert a.stream.bound <= a.stream.max_positions and not a.timestamps
+    obs = a.encode([Frame(picture(1, 60, 80), pts=0.0, ts=0.0, index=0)])
+    assert obs[0].tokens >= 1 and b.stream.cache.length == 0
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        vlm_factory_from_spec(str(tmp_path / "missing"))
