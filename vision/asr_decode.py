@@ -5,7 +5,8 @@ Three inputs (the `format` of an audio media frame):
   a piece may end inside a sample frame (the rest is carried to the next piece);
 - `opus`: an Ogg-Opus byte stream (RFC 7845). Ogg pages are framed here, each page's CRC is
   checked, and packets go to the Opus decoder; a corrupt page is skipped by resynchronising on
-  the next capture pattern, so one bad piece costs only its own audio;
+  the next capture pattern, so one bad piece costs only its own audio. Pre-skip is dropped
+  (by FFmpeg's decoder) and the last page's granule position trims the end padding;
 - `aac`: an ADTS byte stream, framed by FFmpeg's parser.
 
 Every decoder is fed bytes and returns float32 mono samples at 16 kHz (channels averaged,
@@ -140,7 +141,9 @@ def ogg_crc(page: bytes) -> int:
 
 
 class OggPages:
-    """Ogg framing (RFC 3533): bytes in, packets of the first logical stream out."""
+    """Ogg framing (RFC 3533): bytes in, packets of the first logical stream out. Packets that
+    end on the stream's last page (end-of-stream flag) come with that page's granule position,
+    which tells the decoder where the stream really ends (RFC 7845 section 4.4)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
@@ -149,10 +152,11 @@ class OggPages:
         self.resyncs = 0
         self._lost = False  # skipping damage already reported, until the next good page
 
-    def feed(self, data: bytes) -> tuple[list[bytes], str | None]:
-        """Packets completed by `data`, and an error message if corrupt bytes were skipped."""
+    def feed(self, data: bytes) -> tuple[list[tuple[bytes, int | None]], str | None]:
+        """(packet, end granule or None) completed by `data`, and an error message if corrupt
+        bytes were skipped."""
         self._buf += data
-        packets: list[bytes] = []
+        packets: list[tuple[bytes, int | None]] = []
         error = None
         while True:
             start = self._buf.find(b"OggS")
@@ -186,12 +190,12 @@ class OggPages:
         self._packet.clear()  # a packet spanning the damage is lost
         self.resyncs += 1
 
-    def _page(self) -> list[bytes] | str | None:
+    def _page(self) -> list[tuple[bytes, int | None]] | str | None:
         """Packets of one complete page at the buffer's start, None if incomplete, or an error."""
         buf = self._buf
         if len(buf) < 27:
             return None
-        version, flags, _granule, serial, _seq, crc, nseg = struct.unpack_from("<BBqIIIB", buf, 4)
+        version, flags, granule, serial, _seq, crc, nseg = struct.unpack_from("<BBqIIIB", buf, 4)
         if version != 0:
             return f"Ogg page version {version} is not 0"
         header = 27 + nseg
@@ -212,12 +216,13 @@ class OggPages:
             return []
         if flags & 0x01 == 0:  # not a continuation: any unfinished packet was cut
             self._packet.clear()
+        end = granule if flags & 0x04 and granule >= 0 else None
         packets, pos = [], header
         for lace in lacing:
             self._packet += page[pos:pos + lace]
             pos += lace
             if lace < 255:
-                packets.append(bytes(self._packet))
+                packets.append((bytes(self._packet), end))
                 self._packet.clear()
         return packets
 
@@ -229,7 +234,8 @@ class OpusDecoder:
         self._av = import_av()
         self._ogg = OggPages()
         self._codec = None
-        self._skip = 0  # pre-skip samples at 48 kHz still to drop (RFC 7845 section 4.2)
+        self._decoded = 0  # samples decoded so far at 48 kHz, pre-skip included (granule units)
+        self._end: int | None = None  # the last page's granule: samples beyond it are padding
         self._tags = False
         self._resample = Resampler()
         self.out: list[np.ndarray] = []
@@ -237,7 +243,8 @@ class OpusDecoder:
     def feed(self, data: bytes) -> None:
         packets, error = self._ogg.feed(data)
         bad = 0
-        for packet in packets:
+        for packet, end in packets:
+            self._end = end if end is not None else self._end
             bad += not self._packet(packet)
         if error is not None:
             raise MediaDecodeError(f"opus: {error}; decoding resumes at the next page")
@@ -273,16 +280,19 @@ class OpusDecoder:
         if not head.startswith(b"OpusHead") or len(head) < 19:
             raise UnsupportedMedia(f"the Ogg stream is not Opus (first packet starts {head[:8]!r}); send Ogg-Opus, "
                                    "ADTS AAC or pcm_s16le")
-        self._skip = struct.unpack_from("<H", head, 10)[0]
+        # FFmpeg's decoders read the pre-skip from OpusHead and drop those samples themselves
+        # (RFC 7845 section 4.2); they still count in granule positions.
+        self._decoded = struct.unpack_from("<H", head, 10)[0]
         codec = self._av.CodecContext.create("libopus" if "libopus" in self._av.codecs_available else "opus", "r")
         codec.extradata = head
         self._codec = codec
 
     def _pcm(self, frame: Any) -> np.ndarray:
         x = _mono(frame)
-        if self._skip:
-            drop = min(self._skip, len(x))
-            x, self._skip = x[drop:], self._skip - drop
+        scale = frame.sample_rate / 48_000  # granules count 48 kHz samples
+        if self._end is not None:  # end trimming on the last page
+            x = x[:max(0, round((self._end - self._decoded) * scale))]
+        self._decoded += round(frame.samples / scale)
         return self._resample(x, frame.sample_rate)
 
 

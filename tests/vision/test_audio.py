@@ -154,6 +154,20 @@ def test_decoders_are_independent_of_piece_boundaries(talk):
         assert abs(len(outs[0]) / 16000 - len(samples) / rate) < 0.15, fmt  # codec priming/padding only
 
 
+def test_ogg_opus_keeps_time_and_length():
+    """Pre-skip dropped once and end padding trimmed: a click at 1.000 s stays there."""
+    rate = 48000
+    x = np.zeros(2 * rate, np.int16)
+    x[rate], x[rate + 1] = 30000, -30000
+    d = make_decoder("opus")
+    for piece in pieces(encode(x, rate, "ogg", "libopus", rate), 8, 200):
+        d.feed(piece)
+    d.finish()
+    y = take(d)
+    assert len(y) == 2 * 16000
+    assert abs(np.argmax(np.abs(y)) / 16000 - 1.0) <= 0.001
+
+
 def test_stereo_pcm_is_averaged_to_mono(talk):
     samples, rate, _ = talk
     mono = make_decoder("pcm_s16le", rate, 1)
