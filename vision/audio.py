@@ -81,6 +81,12 @@ class AudioStream:
                  max_payload_bytes: int = 1 << 20, threshold: float = 0.5, min_silence_s: float = 0.5,
                  min_speech_s: float = 0.25, max_segment_s: float = 20.0, pad_s: float = 0.2,
                  partial_every_s: float = 1.0, partial_share: float = 0.5, max_gap_s: float = 1.0) -> None:
+        if not 0 < threshold < 1 or not 0 < max_segment_s <= 30 or min(min_silence_s, min_speech_s, pad_s,
+                                                                       partial_every_s, max_gap_s) < 0:
+            raise ValueError(f"bad AudioStream limits: threshold {threshold} must be in (0, 1), max_segment_s "
+                             f"{max_segment_s} in (0, 30] (Whisper's window), durations >= 0")
+        if partial_share <= 0:
+            raise ValueError(f"partial_share must be > 0, got {partial_share}")
         self.fmt, self.sample_rate, self.channels = fmt, sample_rate, channels
         self.decoder = make_decoder(fmt, sample_rate, channels)
         if transcriber is None:

@@ -219,6 +219,8 @@ def test_bad_headers_and_formats_are_refused():
         AudioStream("pcm_s16le", None, 1)
     with pytest.raises(MediaHeaderInvalid):
         AudioStream("pcm_s16le", 16000, 0)
+    with pytest.raises(ValueError, match="max_segment_s"):
+        AudioStream("pcm_s16le", 16000, 1, max_segment_s=60)
     s = AudioStream("pcm_s16le", 16000, 1)
     s.check_header("pcm_s16le", 16000, 1)
     with pytest.raises(MediaHeaderInvalid):
