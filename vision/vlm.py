@@ -72,6 +72,10 @@ class Window:
     text_tokens: int = 2048
     query_tokens: int = 256
 
+    def __post_init__(self) -> None:
+        if min(self.sink_tokens, self.query_tokens) < 0 or self.text_tokens < 1:
+            raise ValueError(f"window sizes must be >= 0 (text window >= 1), got {self}")
+
     def bound(self, frame_tokens: int) -> int:
         return self.sink_tokens + frame_tokens + 2 + self.vision_tokens + self.text_tokens
 
@@ -138,19 +142,7 @@ class VLMStream:
             raise ValueError(f"frame_tokens must be at least 1, got {frame_tokens}")
         self.frame_tokens = frame_tokens
         self.window = window
-        if window is not None:
-            if window.vision_tokens < frame_tokens + 2:
-                raise ValueError(f"vision window of {window.vision_tokens} tokens cannot hold one "
-                                 f"frame of {frame_tokens} (+2 markers)")
-            if window.text_tokens < 1:
-                raise ValueError("text window must hold at least one token")
-            limit = window.bound(frame_tokens) + window.query_tokens
-            if limit > self.max_positions:
-                raise ValueError(f"window bound {window.bound(frame_tokens)} + {window.query_tokens} query "
-                                 f"tokens exceeds the model's {self.max_positions} positions")
-            self.bound = window.bound(frame_tokens)
-        else:
-            limit = self.bound = max_tokens or self.max_positions
+        self.bound, limit = self._limits(max_tokens)
         param = next(model.parameters())
         tc = self.text_config
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
@@ -162,6 +154,23 @@ class VLMStream:
         self.next_pos = 0
         self.stats = StreamStats()
         self.logits: torch.Tensor | None = None  # next-token logits after the last append
+
+    def _limits(self, max_tokens: int | None) -> tuple[int, int]:
+        """(committed tokens the stream may hold, cache capacity including question room)."""
+        window = self.window
+        if window is None:
+            limit = max_tokens or self.max_positions
+            if limit > self.max_positions:
+                raise ValueError(f"max_tokens {limit} exceeds the model's {self.max_positions} positions")
+            return limit, limit
+        if window.vision_tokens < self.frame_tokens + 2:
+            raise ValueError(f"vision window of {window.vision_tokens} tokens cannot hold one "
+                             f"frame of {self.frame_tokens} (+2 markers)")
+        bound = window.bound(self.frame_tokens)
+        if bound + window.query_tokens > self.max_positions:
+            raise ValueError(f"window bound {bound} + {window.query_tokens} query tokens exceeds "
+                             f"the model's {self.max_positions} positions")
+        return bound, bound + window.query_tokens
 
     # -- appends ---------------------------------------------------------------------------
 
@@ -382,11 +391,13 @@ class VLMStream:
 
     def state(self) -> dict:
         s = self.stats
+        frames = [sp.ts for sp in self.spans if sp.kind == "frame" and sp.ts is not None]
         return {"frames": s.frames, "visual_tokens": s.visual_tokens, "text_tokens": s.text_tokens,
                 "cache_tokens": self.cache.length, "cache_bound": self.bound,
                 "next_position": self.next_pos, "max_positions": self.max_positions,
                 "evicted_frames": s.evicted_frames, "evicted_text_tokens": s.evicted_text_tokens,
-                "reanchors": s.reanchors, "frame_tokens": self.frame_tokens}
+                "reanchors": s.reanchors, "frame_tokens": self.frame_tokens,
+                "window_from_ts": min(frames, default=None), "window_to_ts": max(frames, default=None)}
 
 
 # ---------------------------------------------------------------------------------------------

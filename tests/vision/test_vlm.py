@@ -198,6 +198,7 @@ def test_encoder_reports_tokens_and_survives_bad_frames(models):
     state = enc.state()
     json.dumps(state)
     assert state["frames"] == 3 and state["cache_tokens"] > length
+    assert (state["window_from_ts"], state["window_to_ts"]) == (100.0, 101.0)
 
 
 def test_generate_is_a_fork_and_matches_stock_greedy(models):
@@ -323,6 +324,10 @@ def test_window_settings_are_checked(models):
         VLMStream(model, frame_tokens=16, window=Window(text_tokens=5000))
     with pytest.raises(ValueError):
         VLMStream(model, frame_tokens=0)
+    with pytest.raises(ValueError, match="exceeds the model"):
+        VLMStream(model, frame_tokens=16, max_tokens=5000)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Window(sink_tokens=-1)
     unbounded = VLMStream(model, frame_tokens=16, max_tokens=40)
     unbounded.append_tokens(list(range(30)))
     with pytest.raises(ContextOverflow):
