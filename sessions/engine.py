@@ -29,6 +29,7 @@ from .session import Session, json_object
 from .actions import POLICIES, ActionLoop, AsyncController, FlashRule
 from .thinking import ThinkingConfig, ThinkJob, configure
 from .thinking import due as thinking_due
+from .window import SlideJob, check_window_room, set_window
 
 log = logging.getLogger(__name__)
 
@@ -270,10 +271,27 @@ class Engine:
             tokens = session.tokenize(text)
             if not tokens:
                 raise InvalidRequest("text is empty")
-            session.check_room(len(tokens))
+            if session.window is None:
+                session.check_room(len(tokens))
+            elif check_window_room(session, session.window, len(tokens)):
+                self._enqueue(SlideJob(session, session.window))
             return self._enqueue(PrefillJob(session, tokens, text))
 
         return self._call(append)
+
+    def configure_window(self, session_id: str, max_tokens: int, keep_tokens: int = 0,
+                         sink_inputs: int = 1) -> Future:
+        """Bound the session's reading cache: sinks + recent inputs (sessions/window.py).
+        Resolves to the session state."""
+
+        def update():
+            session = self._live(session_id)
+            set_window(session, max_tokens, keep_tokens, sink_inputs)
+            if session.cache.length + session.pending_tokens > max_tokens:
+                self._enqueue(SlideJob(session, session.window))
+            return session.state()
+
+        return self._call(update)
 
     def revise(self, session_id: str, text: str, from_seq: int | None = None) -> Future:
         return self._call(lambda: self._enqueue(ReviseJob(self._writable(session_id), text, from_seq)))
@@ -296,6 +314,8 @@ class Engine:
 
         def update():
             session = self._live(session_id)
+            if session.window is not None and settings.get("mode", "off") != "off":
+                raise InvalidRequest(f"session {session_id} has a text window; thinking needs an unbounded cache")
             configure(session, _thinking_config(settings))
             return session.state()
 
