@@ -141,7 +141,7 @@ def measure_vlm_fps(frames: int = 40, frame_tokens: int = 64, seconds: float = 6
     return {
         "vlm_fps": fps, "stateless_fps": base, "speedup_vs_stateless": fps / base,
         "tokens_per_frame": stream.stats.visual_tokens / stream.stats.frames,
-        "frames_in_window": held, "cache_tokens": stream.cache.length, "cache_bound": stream.cache.max_tokens,
+        "frames_in_window": held, "cache_tokens": stream.cache.length, "cache_bound": stream.bound,
         "max_position": stream.stats.max_position,
         "lag_2fps_s": lag2["lag_median_s"], "lag_2fps_max_s": lag2["lag_max_s"], "dropped_2fps": lag2["dropped"],
         "lag_10fps_s": lag10["lag_median_s"], "lag_10fps_max_s": lag10["lag_max_s"],
