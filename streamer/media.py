@@ -32,6 +32,8 @@ class MediaConfig:
     video_encoder: Callable[[], Any] | None = None  # a VisionEncoder factory; None: the frame describer
     audio: dict = field(default_factory=dict)  # keyword arguments for streamer.vision.audio.AudioStream
     max_backlog: int = 8  # pieces of one stream queued before the receive loop waits for them
+    window_tokens: int | None = 4096  # media sessions without a window get one of this many tokens
+    #   (at most the context window; sinks + recent inputs, see sessions/window.py); None: leave unbounded
 
 
 class MediaStream:
@@ -69,6 +71,8 @@ class MediaHub:
             except EngineError as exc:
                 self.send_error(cmd, exc)
                 return
+            if self.config.window_tokens:
+                stream.executor.submit(self._bound, sid)
         fields = cmd.fields
         if group == "audio":
             job = lambda: stream.ingest.feed(fields["format"], fields["payload"], fields["seq"], fields["ts"],  # noqa: E731
@@ -121,6 +125,17 @@ class MediaHub:
         from streamer.vision.ingest import AudioIngest
 
         return AudioIngest(self.engine, sid, emit, self.config.audio)
+
+    def _bound(self, sid: str) -> None:
+        """Give an unbounded session a text window before its media (an endless stream) lands."""
+        try:
+            state = self.engine.session_state(sid).result(30)
+            if state.get("window") or state["thinking"].get("mode", "off") != "off":
+                return
+            size = min(self.config.window_tokens, state["context_window"])
+            self.engine.configure_window(sid, size).result(30)
+        except Exception as exc:  # the media still flows; the context window stays the bound
+            log.warning("no text window for session %s: %s", sid, exc)
 
     def state(self, sid: str) -> dict | None:
         out = {}

@@ -111,11 +111,18 @@ THINKING_FIELDS: dict[str, _Field] = {
     "question": _Field("str", limit="max_question_chars"),
     "prompt": _Field("str", limit="max_question_chars"),
 }
+WINDOW_FIELDS: dict[str, _Field] = {
+    "max_tokens": _Field("int", True, lo=1),
+    "keep_tokens": _Field("int", lo=0),
+    "sink_inputs": _Field("int", lo=0, hi=10_000),
+}
 SCHEMAS: dict[str, dict[str, _Field]] = {
     "session.create": {"system_prompt": _Field("str", limit="max_system_prompt_chars"),
                        "session_id": _Field("id"), "flash": _Field("flashlist"),
-                       "thinking": _Field("object", schema=THINKING_FIELDS)},
-    "session.update": {"session_id": _SID, "thinking": _Field("object", True, schema=THINKING_FIELDS)},
+                       "thinking": _Field("object", schema=THINKING_FIELDS),
+                       "window": _Field("object", schema=WINDOW_FIELDS)},
+    "session.update": {"session_id": _SID, "thinking": _Field("object", schema=THINKING_FIELDS),
+                       "window": _Field("object", schema=WINDOW_FIELDS)},
     "session.get": {"session_id": _SID},
     "session.close": {"session_id": _SID},
     "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars")},

@@ -213,6 +213,15 @@ class Connection:
     def on_session_create(self, cmd: Command) -> None:
         flash = [_flash_args(item) for item in cmd["flash"] or ()]
         fut = self.engine.create_session(cmd["system_prompt"], cmd["session_id"], flash, cmd["thinking"])
+        if cmd["window"]:
+            created_fut = fut
+            fut = _and_then(fut, lambda st: self.engine.configure_window(st["session_id"], **cmd["window"]))
+
+            def refused(f) -> None:  # a window the session cannot take: no half-made session stays
+                if f.exception() is not None and created_fut.exception() is None:
+                    self.engine.close_session(created_fut.result()["session_id"])
+
+            fut.add_done_callback(refused)
 
         def orphan_check(f) -> None:  # engine thread: a session created after its client left
             if self.closed and not f.cancelled() and f.exception() is None:
@@ -235,7 +244,17 @@ class Connection:
 
     def on_session_update(self, cmd: Command) -> None:
         if self.owned(cmd):
-            self.reply(cmd, self.engine.configure_thinking(cmd.session_id, cmd["thinking"]),
+            sid = cmd.session_id
+            if cmd["thinking"] is None and cmd["window"] is None:
+                self.refuse(cmd, "missing_field", "session.update needs 'thinking' or 'window'")
+                return
+            if cmd["thinking"] is not None:
+                fut = self.engine.configure_thinking(sid, cmd["thinking"])
+                if cmd["window"]:
+                    fut = _and_then(fut, lambda _: self.engine.configure_window(sid, **cmd["window"]))
+            else:
+                fut = self.engine.configure_window(sid, **cmd["window"])
+            self.reply(cmd, fut,
                        lambda st: self.proto.event("session.updated", reply_to=cmd.event_id,
                                                    session_id=cmd.session_id, session=st))
 
@@ -465,6 +484,29 @@ def _then(first: Future, second: Future) -> Future:
             out.set_result(source.result())
 
     first.add_done_callback(lambda _: second.add_done_callback(done))
+    return out
+
+
+def _and_then(first: Future, make_second: Callable[[object], Future]) -> Future:
+    """A future for `make_second(first's result)`, or first's error."""
+    out: Future = Future()
+
+    def relay(src: Future) -> None:
+        if src.exception() is not None:
+            out.set_exception(src.exception())
+        else:
+            out.set_result(src.result())
+
+    def step(f: Future) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+            return
+        try:
+            make_second(f.result()).add_done_callback(relay)
+        except Exception as exc:
+            out.set_exception(exc)
+
+    first.add_done_callback(step)
     return out
 
 

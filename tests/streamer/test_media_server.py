@@ -233,3 +233,51 @@ def test_media_for_another_session_and_disabled_media(media_engine):
         await peer.still_serving(sid)
 
     serve(media_engine, disabled, media=None)
+
+
+def test_a_long_stream_stays_within_its_window(media_engine):
+    """Two minutes of video with a scene change every second, into a session whose window is
+    small: every observation lands, the cache never passes its bound, the sinks stay."""
+    scenes = [(float(t), ((t * 67) % 256, (t * 131) % 256, (t * 29) % 256)) for t in range(120)]
+    data = encode_video("mpegts", seconds=120.0, fps=4, scenes=scenes, size=(48, 64))
+
+    async def test(url, server):
+        peer = await raw(url)
+        created = await peer.request({"type": "session.create", "window": {"max_tokens": 400, "keep_tokens": 250}})
+        sid = created["session_id"]
+        assert created["session"]["window"]["max_tokens"] == 400
+        acks = await stream_file(peer, sid, "mpegts", data, random.Random(2), max_piece=20000)
+        assert acks[-1]["media"]["decoded"] == 480 and acks[-1]["media"]["dropped"] == 0
+        n = acks[-1]["media"]["sampled"]
+        obs = await observations(peer, 1)
+        while True:
+            state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+            if state["media"]["video"]["encoded"] == n:
+                break
+            await __import__("asyncio").sleep(0.2)
+        obs += [e for e in peer.pending if e["type"] == "media.observation"]
+        obs += await observations(peer, state["media"]["video"]["observations"] - len(obs))
+        assert max(o["total_tokens"] for o in obs) <= 400 and state["tokens"] <= 400
+        assert state["window"]["slides"] >= 5 and state["window"]["dropped_inputs"] > 50
+        assert state["media"]["video"]["scene_cuts"] >= 100
+        assert "no object recognition" in obs[0]["text"]
+        await peer.still_serving(sid)
+
+    serve(media_engine, test)
+
+
+def test_session_update_sets_a_window(media_engine):
+    async def test(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        updated = await peer.request({"type": "session.update", "session_id": sid, "window": {"max_tokens": 300}})
+        assert updated["type"] == "session.updated" and updated["session"]["window"]["keep_tokens"] == 150
+        refused = await peer.request({"type": "session.update", "session_id": sid})
+        check_error(refused, "missing_field")
+        refused = await peer.request({"type": "session.update", "session_id": sid, "window": {"max_tokens": 3}})
+        check_error(refused, "invalid_field")
+        refused = await peer.request({"type": "session.create", "window": {"max_tokens": 3}})
+        check_error(refused, "invalid_field")
+        await peer.still_serving(sid)
+
+    serve(media_engine, test)
