@@ -39,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mqtt", default=None, metavar="URL",
                        help="publish session events to this MQTT broker (mqtt://host:port) and take robot state from it")
     serve.add_argument("--mqtt-prefix", default="streamer", help="MQTT topic prefix (default: %(default)s)")
+    serve.add_argument("--no-media", action="store_true", help="refuse binary media frames")
+    serve.add_argument("--video-encoder", default="describer", metavar="SPEC",
+                       help="'describer' (frame statistics as text, no weights), 'tiny' (a random-weight "
+                            "Qwen2.5-VL: plumbing only) or a Qwen2.5-VL checkpoint id or directory (default: %(default)s)")
+    serve.add_argument("--frame-tokens", type=int, default=256, help="VLM visual tokens per frame (default: %(default)s)")
+    serve.add_argument("--sample-fps", type=float, default=2.0,
+                       help="video frames per second of media time handed to the encoder (default: %(default)s)")
+    serve.add_argument("--media-window", type=int, default=4096, metavar="TOKENS",
+                       help="text window given to sessions that receive media; 0 leaves them unbounded "
+                            "(default: %(default)s)")
     _model_args(serve)
 
     demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
@@ -88,11 +98,28 @@ def _serve(args: argparse.Namespace, limits) -> int:
     engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
     try:
         asyncio.run(run_server(engine, ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt,
-                                                    mqtt_prefix=args.mqtt_prefix),
+                                                    mqtt_prefix=args.mqtt_prefix, media=_media_config(args)),
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
     finally:
         engine.stop()
     return 0
+
+
+def _media_config(args: argparse.Namespace):
+    """Media settings from the serve flags (None: media off)."""
+    if args.no_media:
+        return None
+    from streamer.media import MediaConfig
+    from streamer.vision.ingest import VideoConfig
+
+    encoder = None
+    if args.video_encoder != "describer":
+        from streamer.vision.vlm import vlm_factory_from_spec
+
+        encoder = vlm_factory_from_spec(args.video_encoder, frame_tokens=args.frame_tokens, dtype=args.dtype,
+                                        device=args.device)
+    return MediaConfig(video=VideoConfig(sample_fps=args.sample_fps), video_encoder=encoder,
+                       window_tokens=args.media_window or None)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ class VisionEncoder(ABC):
     name: str = "encoder"
     appends_text: bool = True
     max_pixels: int = 4096 * 4096
+    frame_side: int | None = None  # longer side the decoder should scale frames to (None: its default)
 
     @abstractmethod
     def encode(self, frames: Sequence[Frame]) -> list[Observation]:

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .encoder import Frame, Observation, VisionEncoder
 from .errors import MediaError, MediaHeaderInvalid
@@ -74,6 +74,8 @@ class VideoIngest:
         self.encoder = encoder
         self.emit = emit
         self.config = config or VideoConfig()
+        if encoder.frame_side:  # the encoder wants frames of its own size (a VLM's resolution)
+            self.config = replace(self.config, decode=replace(self.config.decode, max_side=encoder.frame_side))
         self.stats = VideoStats()
         self.sampler = FrameSampler(self.config.sample_fps, self.config.dup_threshold, self.config.heartbeat_s)
         self.slot = LatestSlot()
