@@ -128,7 +128,9 @@ async def live_lag(url: str, fps: float, seconds: float) -> dict:
             await asyncio.sleep(max(0.0, t0 + i / fps - time.monotonic()))
             await session.send_media("image", "jpeg", images[i % len(images)], i, ts=time.time())
         video = await wait_encoded(session)
-        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while len(lags) < video["observations"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # the last events are on their way
         reader.cancel()
         await session.close()
     return {"offered": n, "in_cache": len(lags), "dropped": video["dropped"], "duplicates": video["duplicates"],

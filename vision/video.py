@@ -234,13 +234,14 @@ def decode_image(fmt: str, data: bytes, ts: float, index: int = 0, limits: Decod
 
 
 def thumbnail(image: np.ndarray, side: int = 16) -> np.ndarray:
-    """Mean luma over a side x side grid (float32): cheap to compare, blind to noise."""
-    luma = image[..., 0] * 0.299 + image[..., 1] * 0.587 + image[..., 2] * 0.114
-    h, w = luma.shape
+    """Mean colour over a side x side grid (float32 [side, side, 3]): cheap to compare, blind to
+    noise, and it sees a change of colour at equal brightness."""
+    h, w = image.shape[:2]
     ys = np.linspace(0, h, side + 1).astype(int)
     xs = np.linspace(0, w, side + 1).astype(int)
-    rows = np.add.reduceat(luma, ys[:-1], axis=0) / np.diff(ys)[:, None]
-    return (np.add.reduceat(rows, xs[:-1], axis=1) / np.diff(xs)[None, :]).astype(np.float32)
+    pixels = image.astype(np.float32)
+    rows = np.add.reduceat(pixels, ys[:-1], axis=0) / np.diff(ys)[:, None, None]
+    return np.add.reduceat(rows, xs[:-1], axis=1) / np.diff(xs)[None, :, None]
 
 
 @dataclass(slots=True)
@@ -252,8 +253,8 @@ class SamplerStats:
 
 class FrameSampler:
     """Keeps the first frame of every 1/fps slot of media time, then skips near-duplicates of
-    the last frame kept (mean absolute thumbnail difference below `dup_threshold`, in 0-255
-    luma levels), so a still camera costs nothing after its first frame.
+    the last frame kept (mean absolute difference of 16x16 colour thumbnails below
+    `dup_threshold`, in 0-255 levels), so a still camera costs nothing after its first frame.
 
     `heartbeat_s`: a duplicate is still kept when the last kept frame is this old, so a still
     scene is confirmed now and then (0: never)."""

@@ -162,3 +162,11 @@ def test_a_picture_too_large_is_refused():
         decoder.check()
     with pytest.raises(MediaTooLarge):
         decode_image("png", encode_image("png", scene_frame(0)), 0.0, limits=DecodeLimits(max_pixels=100))
+
+
+def test_a_colour_change_at_equal_brightness_is_not_a_duplicate():
+    red, green = np.zeros((48, 64, 3), np.uint8), np.zeros((48, 64, 3), np.uint8)
+    red[..., 0], green[..., 1] = 200, 102  # the same luma: 0.299 * 200 = 0.587 * 102
+    sampler = FrameSampler(2.0)
+    assert sampler.filter([Frame(red, 0.0, 0.0, 0), Frame(green, 0.5, 0.5, 1)]) != []
+    assert sampler.stats.sampled == 2 and sampler.stats.duplicates == 0
