@@ -194,9 +194,13 @@ class VLMStream:
         return ([head] if head else []) + [rest[i:i + step] for i in range(0, len(rest), step)]
 
     def append_text(self, text: str, ts: float | None = None) -> torch.Tensor:
+        """Append text, tokenized on its own (never with earlier text)."""
+        return self.append_tokens(self._tokenize(text), ts)
+
+    def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this stream has no tokenizer; append token ids instead")
-        return self.append_tokens(self.tokenizer.encode(text, add_special_tokens=False), ts)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def append_image(self, image: np.ndarray, ts: float | None = None, label: str | None = None) -> int:
         """Append one RGB uint8 frame `[H, W, 3]`, resized to fit the per-frame budget, after an
@@ -204,9 +208,13 @@ class VLMStream:
         it took (markers not counted). A frame that cannot be used changes nothing."""
         pixels, grid = patchify(image, self.frame_tokens, self.spec)
         embeds = self.encode_pixels(pixels, grid)
-        if label:
-            self.append_text(label, ts)
         n = embeds.shape[0]
+        label_ids = self._tokenize(label) if label else []
+        if self.window is None and self.cache.length + len(label_ids) + n + 2 > self.bound:
+            raise ContextOverflow(f"a frame of {n} tokens does not fit the stream's cache ({self.cache.length} "
+                                  f"of {self.bound} used); open it with a window for unbounded input")
+        if label_ids:
+            self.append_tokens(label_ids, ts)
         start_emb, end_emb = self._embed([self.vision_start_id, self.vision_end_id])
         inputs = torch.cat([start_emb[None], embeds, end_emb[None]])
         self._make_room("frame", n + 2)
