@@ -66,8 +66,8 @@ def reference_logits(ref, items, frame_tokens: int):
         else:
             ids += list(item)
     input_ids = torch.tensor([ids])
-    kwargs = dict(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids),
-                  mm_token_type_ids=(input_ids == cfg.image_token_id).int())
+    kwargs = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids),
+              "mm_token_type_ids": (input_ids == cfg.image_token_id).int()}
     with torch.no_grad():
         logits = ref(input_ids=input_ids, **kwargs).logits[0]
         positions, _ = ref.model.get_rope_index(input_ids, image_grid_thw=kwargs["image_grid_thw"],
@@ -400,6 +400,12 @@ def test_ask_frames_the_question_and_matches_stock_greedy(tokenizer):
         want.append(int(logits[-1].argmax()))
         seq[-1] = seq[-1] + [want[-1]]
     assert answer == tokenizer.decode(want, skip_special_tokens=True).strip()
+
+    full = VLMStream(model, tokenizer, frame_tokens=9, max_tokens=stream.cache.length + 9)  # no room for a frame
+    full.append_tokens(list(range(100, 100 + stream.cache.length)))
+    with pytest.raises(ContextOverflow):  # label and frame are checked together: neither goes in
+        QwenVLEncoder(full).encode([Frame(img, pts=1.0, ts=1.0, index=1)])
+    assert full.cache.length == stream.cache.length and full.stats.text_tokens == stream.cache.length
 
 
 def test_factory_from_spec(tmp_path):
