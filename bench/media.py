@@ -210,7 +210,7 @@ def main() -> None:
               f"10 fps {r['lag_10fps_s'] * 1000:.1f} ms ({r['dropped_10fps']} of {r['offered_10fps']} dropped)")
         print(f"  describer session vs tiny VLM  {v['fps'] / r['vlm_fps']:8.2f}x frames/s")
 
-    rtf = float("nan")
+    rtf = None
     if not args.skip_audio:
         from media_audio import measure_audio_rtf
 
@@ -219,9 +219,10 @@ def main() -> None:
         print(f"audio: {report['audio_s']:.1f} s of espeak-ng speech as PCM in 100 ms pieces, Whisper tiny.en "
               f"(faster-whisper): {report['seconds']:.2f} s of processing, real-time factor {rtf:.2f} "
               f"({report['finals']} finals, {report['partials']} partials)")
-    keeps_up = v["fps"] >= 2 and v["lag2"]["dropped"] == 0 and (rtf != rtf or rtf >= 1)
-    print(f"keeps up with 2 fps video{' and real-time audio' if rtf == rtf else ''}: {'yes' if keeps_up else 'NO'}")
-    print(f"RESULT video_fps={v['fps']:.2f} lag_2fps_s={v['lag2']['lag_median_s']:.4f} audio_rtf={rtf:.2f}")
+    keeps_up = v["fps"] >= 2 and v["lag2"]["dropped"] == 0 and (rtf is None or rtf >= 1)
+    print(f"keeps up with 2 fps video{' and real-time audio' if rtf is not None else ''}: {'yes' if keeps_up else 'NO'}")
+    audio = f"{rtf:.2f}" if rtf is not None else "nan"
+    print(f"RESULT video_fps={v['fps']:.2f} lag_2fps_s={v['lag2']['lag_median_s']:.4f} audio_rtf={audio}")
 
 
 if __name__ == "__main__":

@@ -226,13 +226,13 @@ async def _send_all(session, pieces, args, live: bool, acks: dict) -> int:
             delay = started + media_t - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-        if last is not None:
-            await _send(session, last, acks, loop, live)
-        last = (kind, fmt, payload, seq, t0 + media_t, extra)
+        await _send(session, (kind, fmt, payload, seq, t0 + media_t, extra), acks, loop, live)
+        last = (kind, fmt, t0 + media_t, extra)
         seq += 1
-    if last is not None:
-        kind, fmt, payload, s, ts, extra = last
-        await _send(session, (kind, fmt, payload, s, ts, {**extra, "end": kind != "image" or None}), acks, loop, live)
+    if last is not None and last[0] != "image":  # the stream is finished: flush the decoder
+        kind, fmt, ts, extra = last
+        await _send(session, (kind, fmt, b"", seq, ts, {**extra, "end": True}), acks, loop, live)
+        seq += 1
     return seq
 
 
@@ -280,10 +280,9 @@ async def _print_events(client, emit, acks: dict) -> None:
             _say(emit, f"  [{event['start_s']:.1f}-{event['end_s']:.1f}s {mark}] {event['text']}",
                  event="transcript", **{k: event.get(k) for k in ("start_s", "end_s", "text", "final", "segment")})
         elif kind == "error":
-            if acks:  # a media error answers the oldest frame still waiting
-                fut = acks.pop(min(acks))
-                if not fut.done():
-                    fut.set_result(event)
+            fut = acks.pop(event.get("media_seq"), None)  # a frame that failed as a whole
+            if fut is not None and not fut.done():
+                fut.set_result(event)
             err = event["error"]
             _say(emit, f"  ! {err['code']}: {err['message']}", event="error", **err)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,10 @@ class MediaHub:
                 stream = self.streams[(sid, group)] = MediaStream(self._open(sid, group, cmd), f"{group}-{sid}")
             except EngineError as exc:
                 self.send_error(cmd, exc)
+                return
+            except ImportError as exc:  # the media extra is not installed
+                self.send_error(cmd, EngineError(f"{group} input needs the 'media' extra "
+                                                 f"(pip install 'streamer[media]'): {exc}", code="unsupported_media"))
                 return
             if self.config.window_tokens:
                 stream.executor.submit(self._bound, sid)

@@ -370,11 +370,11 @@ class ServerProtocol:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
     def error(self, code: str, message: str, *, recoverable: bool = True, reply_to: str | None = None,
-              session_id: str | None = None, param: str | None = None) -> str:
+              session_id: str | None = None, param: str | None = None, media_seq: int | None = None) -> str:
         detail = {"code": code, "message": message, "recoverable": recoverable}
         if param:
             detail["param"] = param
-        return self.event("error", error=detail, reply_to=reply_to, session_id=session_id)
+        return self.event("error", error=detail, reply_to=reply_to, session_id=session_id, media_seq=media_seq)
 
     def protocol_error(self, err: ProtocolError) -> str:
         return self.error(err.code, err.message, recoverable=err.recoverable, reply_to=err.reply_to,

