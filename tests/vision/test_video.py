@@ -170,3 +170,28 @@ def test_a_colour_change_at_equal_brightness_is_not_a_duplicate():
     sampler = FrameSampler(2.0)
     assert sampler.filter([Frame(red, 0.0, 0.0, 0), Frame(green, 0.5, 0.5, 1)]) != []
     assert sampler.stats.sampled == 2 and sampler.stats.duplicates == 0
+
+
+def test_a_long_stream_holds_bounded_memory():
+    """Ten minutes of video through decode -> sampling -> describer in pieces: the Python heap
+    (numpy frames included, via tracemalloc) does not grow with the length of the stream."""
+    import tracemalloc
+
+    scenes = [(float(t), ((t * 67) % 256, (t * 131) % 256, (t * 29) % 256)) for t in range(0, 600, 3)]
+    data = encode_video("mpegts", seconds=600.0, fps=4, scenes=scenes, size=(48, 64))
+    decoder, sampler, describer = VideoDecoder("mpegts"), FrameSampler(2.0), FrameDescriber()
+    piece, marks, lines = 16384, {}, 0
+    tracemalloc.start()
+    try:
+        for k, i in enumerate(range(0, len(data), piece)):
+            lines += len(describer.encode(sampler.filter(decoder.feed(data[i:i + piece]))))
+            if k % 20 == 0:
+                marks[i / len(data)] = tracemalloc.get_traced_memory()[0]
+        lines += len(describer.encode(sampler.filter(decoder.finish())))
+    finally:
+        tracemalloc.stop()
+    decoder.check()
+    assert decoder.decoded == 2400 and describer.cuts >= 190 and lines >= 200
+    early = max(v for f, v in marks.items() if 0.1 <= f < 0.3)
+    late = max(v for f, v in marks.items() if f >= 0.7)
+    assert late - early < 256 * 1024, (early, late)
