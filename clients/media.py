@@ -148,16 +148,20 @@ def _pcm_pieces(container, piece_s: float):
 
 
 def device_pieces(device: str, fmt: str, fps: float):
-    """Capture from a camera (as JPEG pictures at `fps`) or a microphone (as PCM)."""
+    """Capture from a camera (as JPEG pictures at `fps`) or a microphone (as PCM). The device is
+    opened here, before anything is sent, so a missing one is reported at once."""
     av = _av()
     if fmt not in av.formats_available:
-        raise SystemExit(f"this PyAV build has no '{fmt}' input format (available capture formats: "
-                         f"{', '.join(f for f in ('v4l2', 'avfoundation', 'dshow', 'alsa', 'pulse') if f in av.formats_available) or 'none'})")
-    container = av.open(device, format=fmt)
+        have = [f for f in ("v4l2", "avfoundation", "dshow", "alsa", "pulse") if f in av.formats_available]
+        raise SystemExit(f"this PyAV build has no '{fmt}' input format (capture formats it has: "
+                         f"{', '.join(have) or 'none'})")
+    try:
+        container = av.open(device, format=fmt)
+    except (av.error.FFmpegError, OSError) as exc:
+        raise SystemExit(f"cannot open {fmt} device {device!r}: {exc}") from None
     if container.streams.video:
-        yield from _camera(container, fps)
-    else:
-        yield from _pcm_pieces(container, 0.25)
+        return _camera(container, fps)
+    return _pcm_pieces(container, 0.25)
 
 
 def _camera(container, fps: float):
