@@ -256,6 +256,11 @@ class FrameSampler:
     the last frame kept (mean absolute difference of 16x16 colour thumbnails below
     `dup_threshold`, in 0-255 levels), so a still camera costs nothing after its first frame.
 
+    A frame may open its slot early by up to half the gap since the previous frame (at most a
+    quarter slot): a live source sending at about the sample rate, with its timestamps
+    jittering around the slot boundaries, keeps every frame, while a steady source still has
+    its slot opened by the frame on the boundary (a scene cut at 2.0 s is seen at 2.0 s).
+
     `heartbeat_s`: a duplicate is still kept when the last kept frame is this old, so a still
     scene is confirmed now and then (0: never)."""
 
@@ -269,11 +274,15 @@ class FrameSampler:
         self._slot = -1
         self._last: np.ndarray | None = None
         self._last_pts = -math.inf
+        self._prev_pts: float | None = None  # the previous frame offered
 
     def offer(self, frame: Frame) -> bool:
         """True if the frame is kept."""
         self.stats.seen += 1
-        slot = math.floor(frame.pts * self.fps + 1e-6)
+        gap = frame.pts - self._prev_pts if self._prev_pts is not None else 0.0
+        self._prev_pts = frame.pts
+        early = min(0.25 / self.fps, max(0.0, gap) / 2)
+        slot = math.floor((frame.pts + early) * self.fps + 1e-6)
         if slot <= self._slot:
             return False
         self._slot = slot

@@ -195,3 +195,13 @@ def test_a_long_stream_holds_bounded_memory():
     early = max(v for f, v in marks.items() if 0.1 <= f < 0.3)
     late = max(v for f, v in marks.items() if f >= 0.7)
     assert late - early < 256 * 1024, (early, late)
+
+
+def test_a_live_source_at_the_sample_rate_keeps_every_frame_despite_jitter():
+    rng = random.Random(4)
+    pts = [k * 0.5 + rng.uniform(-0.06, 0.06) for k in range(1, 60)]
+    frames = [Frame(scene_frame(k), max(0.0, t), t, k) for k, t in enumerate([0.0, *pts])]
+    sampler = FrameSampler(2.0, dup_threshold=0.0)
+    assert len(sampler.filter(frames)) == 60
+    faster = [Frame(scene_frame(k), k / 3, k / 3, k) for k in range(30)]  # 3 fps in, 2 fps out
+    assert len(FrameSampler(2.0, dup_threshold=0.0).filter(faster)) == 20
