@@ -31,14 +31,18 @@ WINDOW = 512  # samples per voice-activity window at 16 kHz (32 ms), Silero's un
 
 @dataclass(slots=True)
 class Transcript:
-    """What was said in one voice-activity segment, so far (partial) or in full (final); times
-    in seconds on the sender's clock."""
+    """What was said in one voice-activity segment, so far (partial) or in full (final).
+
+    `start_s`/`end_s`: media time, seconds since the stream's first sample (pauses the sender's
+    timestamps reveal included), like a video frame's pts. `ts`: the capture time of the
+    segment's start on the sender's clock (the media frames' `ts`)."""
 
     text: str
     start_s: float
     end_s: float
     final: bool
     segment: int
+    ts: float = 0.0
 
 
 class Transcriber(Protocol):

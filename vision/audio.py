@@ -12,8 +12,10 @@ While a segment is open, a partial transcript of everything heard so far in it g
 (`final=True`). Partials and the final of a segment share its `segment` number, so a consumer
 revises the segment's text in place (vision/asr_sink.py does so on a session).
 
-Times are on the sender's clock: the `ts` of the first piece plus the samples decoded since
-(a forward jump of `ts` beyond `max_gap_s` re-anchors the clock: audio was lost or paused).
+Times: a transcript's `start_s`/`end_s` are media time, seconds since the stream's first
+sample, and its `ts` is the capture time of its start on the sender's clock (the first piece's
+`ts` plus the samples decoded since). A forward jump of `ts` beyond `max_gap_s` re-anchors the
+clock (audio was lost or paused), and media time jumps with it.
 
 Errors are MediaErrors (the session survives them): a bad piece raises after every good byte
 in it was used, and transcripts made before the error are returned by the next call, so
@@ -113,7 +115,8 @@ class AudioStream:
         self._segment: Segment | None = None
         self._segments = 0
         self._out: list[Transcript] = []  # made but not yet returned (an error came first)
-        self._origin: float | None = None  # sender-clock time of sample 0
+        self._origin: float | None = None  # sender-clock time of sample 0 (moves on re-anchoring)
+        self._first: float | None = None  # sender-clock time of the stream's first sample
         self.samples = 0  # samples consumed by the segmenter (16 kHz)
         self.ended = False
         self.stats = {"pieces": 0, "bytes": 0, "audio_s": 0.0, "segments": 0, "partials": 0, "finals": 0,
@@ -169,10 +172,10 @@ class AudioStream:
     def _anchor(self, ts: float | None) -> None:
         if ts is None:
             if self._origin is None:
-                self._origin = 0.0
+                self._origin = self._first = 0.0
             return
         if self._origin is None:
-            self._origin = ts
+            self._origin = self._first = ts
         elif ts - self._clock(self.samples + len(self._rest)) > self.max_gap_s:
             log.info("audio clock re-anchored: ts %.3f is %.3f s ahead", ts, ts - self._clock(self.samples))
             self._origin = ts - (self.samples + len(self._rest)) / RATE
@@ -246,11 +249,12 @@ class AudioStream:
         began = time.perf_counter()
         text = self.transcriber.transcribe(audio)
         self._cost_s = time.perf_counter() - began
-        end = seg.start_s + len(audio) / RATE
+        start = seg.start_s - (self._first or 0.0)
         self.stats["finals" if final else "partials"] += 1
         self.stats["segments"] += final
         if text or final:
-            self._out.append(Transcript(text, round(seg.start_s, 3), round(end, 3), final, seg.number))
+            self._out.append(Transcript(text, round(start, 3), round(start + len(audio) / RATE, 3), final,
+                                        seg.number, seg.start_s))
 
 
 from .asr_sink import TranscriptSink

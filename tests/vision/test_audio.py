@@ -117,6 +117,22 @@ def test_pcm_in_pieces_transcribes_each_sentence_at_its_time(talk):
     assert s.state()["segments"] == 2
 
 
+def test_times_are_media_time_and_a_pause_in_ts_moves_them(talk):
+    samples, rate, starts = talk
+    gap = int((starts[1] - 0.75) * rate)  # in the silence between the sentences
+    s = AudioStream("pcm_s16le", rate, 1, partial_every_s=0)
+    out, sent = [], 0
+    for part, pause in ((samples[:gap], 0.0), (samples[gap:], 5.0)):
+        for piece in pieces(part.tobytes(), 6, 6000):
+            out += s.feed(piece, 1000.0 + pause + sent / rate)
+            sent += len(piece) // 2
+    out += s.finish()
+    assert len(out) == 2
+    assert abs(out[0].start_s - starts[0]) <= 0.35
+    assert abs(out[1].start_s - (starts[1] + 5.0)) <= 0.35  # the sender paused 5 s
+    assert all(abs(t.ts - (1000.0 + t.start_s)) < 1e-3 for t in out)  # capture time of the start
+
+
 def test_piece_sizes_do_not_change_the_final_transcripts(talk):
     samples, rate, _ = talk
     data = samples.tobytes()
