@@ -115,11 +115,14 @@ async def live_lag(url: str, fps: float, seconds: float) -> dict:
     async with await StreamerClient.connect(url) as client:
         session = await client.create_session()
         lags: list[float] = []
+        acked = [0]
 
         async def collect() -> None:
             async for event in client.events():
                 if event["type"] == "media.observation":
                     lags.append(event["lag_ms"] / 1000)
+                elif event["type"] == "input.ack":
+                    acked[0] += 1
 
         reader = asyncio.get_running_loop().create_task(collect())
         t0 = time.monotonic()
@@ -127,13 +130,16 @@ async def live_lag(url: str, fps: float, seconds: float) -> dict:
         for i in range(n):
             await asyncio.sleep(max(0.0, t0 + i / fps - time.monotonic()))
             await session.send_media("image", "jpeg", images[i % len(images)], i, ts=time.time())
+        while acked[0] < n:  # every picture decoded and sampled (or not) before counting
+            await asyncio.sleep(0.01)
         video = await wait_encoded(session)
         deadline = time.monotonic() + 10
         while len(lags) < video["observations"] and time.monotonic() < deadline:
             await asyncio.sleep(0.02)  # the last events are on their way
         reader.cancel()
         await session.close()
-    return {"offered": n, "in_cache": len(lags), "dropped": video["dropped"], "duplicates": video["duplicates"],
+    return {"offered": n, "in_cache": len(lags), "encoded": video["encoded"], "dropped": video["dropped"],
+            "duplicates": video["duplicates"],
             "lag_median_s": statistics.median(lags), "lag_p90_s": float(np.percentile(lags, 90)),
             "lag_max_s": max(lags)}
 
@@ -197,7 +203,8 @@ def main() -> None:
     for name, lag in (("2 fps", v["lag2"]), ("10 fps", v["lag10"])):
         print(f"  live {name:6s} pictures: capture -> cache median {lag['lag_median_s'] * 1000:7.1f} ms, "
               f"p90 {lag['lag_p90_s'] * 1000:7.1f} ms, max {lag['lag_max_s'] * 1000:7.1f} ms; "
-              f"{lag['in_cache']} of {lag['offered']} in the cache, {lag['dropped']} dropped (newest wins)")
+              f"{lag['offered']} sent, {lag['encoded']} described, {lag['in_cache']} lines appended (no line when "
+              f"nothing changed), {lag['dropped']} dropped (newest wins)")
     print(f"  lag 10 fps / 2 fps          {v['lag10']['lag_median_s'] / v['lag2']['lag_median_s']:8.2f}x")
 
     if not args.skip_vlm:
