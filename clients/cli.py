@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--thinking", choices=["off", "interleaved", "dual"], default=None,
                         help="think while reading; notes are printed as they are written")
     stream.add_argument("--json", action="store_true", help="print one JSON object per event instead of text")
+    from .media import add_arguments as media_arguments
+
+    media_arguments(sub.add_parser("media", help="stream a video, audio or image file (or a camera or microphone) "
+                                                 "into a new session; print observations and transcripts"))
     from .robot import add_arguments as robot_arguments
 
     robot = sub.add_parser("robot", help="a simulated robot that follows a target with the session's action policy "
@@ -160,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
         from .robot import run as run_robot
 
         return run_robot(args)
-    command = {"stream": stream_file, "ask": ask_once}[args.client_command]
+    from .media import stream_media
+
+    command = {"stream": stream_file, "ask": ask_once, "media": stream_media}[args.client_command]
     try:
         return asyncio.run(command(args))
     except StreamerError as exc:

@@ -17,11 +17,14 @@ import asyncio
 import os
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
+
+from streamer.protocol import media_frame
 
 
 class StreamerError(Exception):
@@ -167,6 +170,15 @@ class Session:
         msg = {"type": "session.update", "session_id": self.id, "thinking": thinking}
         return (await self.client.request(msg))["session"]
 
+    async def send_media(self, kind: str, fmt: str, payload: bytes, seq: int, ts: float | None = None,
+                         **extra: Any) -> None:
+        """Send one binary media frame (docs/protocol.md, "Media frames"). Its `input.ack`
+        (with `media_seq`), `media.observation` and `media.transcript` events arrive on
+        `client.events()`; `extra`: sample_rate, channels, end, live."""
+        header = {"session_id": self.id, "kind": kind, "format": fmt, "seq": seq,
+                  "ts": time.time() if ts is None else ts, **{k: v for k, v in extra.items() if v is not None}}
+        await self.client.ws.send(media_frame(header, payload))
+
     async def close(self) -> dict:
         return await self.client.request({"type": "session.close", "session_id": self.id})
 
@@ -207,10 +219,11 @@ class StreamerClient:
         self._reader.cancel()
 
     async def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
-                             flash: list[dict] | None = None, thinking: dict | None = None) -> Session:
+                             flash: list[dict] | None = None, thinking: dict | None = None,
+                             window: dict | None = None) -> Session:
         msg: dict = {"type": "session.create"}
         for key, value in (("system_prompt", system_prompt), ("session_id", session_id), ("flash", flash),
-                           ("thinking", thinking)):
+                           ("thinking", thinking), ("window", window)):
             if value is not None:
                 msg[key] = value
         return Session(self, await self.request(msg))

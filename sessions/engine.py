@@ -29,6 +29,7 @@ from .session import Session, json_object
 from .actions import POLICIES, ActionLoop, AsyncController, FlashRule
 from .thinking import ThinkingConfig, ThinkJob, configure
 from .thinking import due as thinking_due
+from .window import SlideJob, check_window_room, set_window
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,13 @@ class Engine:
 
     # ---- thread-safe API -------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], object]) -> Future:
-        """Run `fn` on the engine thread; its return value (or exception) resolves the future."""
+    def _call(self, fn: Callable[[], object], then: Callable[[Future], None] | None = None) -> Future:
+        """Run `fn` on the engine thread; its return value (or exception) resolves the future.
+        `then` is attached to the future before any work is queued, so callers on other threads
+        see completions in the order the engine made them (the event log relies on it)."""
         fut: Future = Future()
+        if then is not None:
+            fut.add_done_callback(then)
         if self._stopping:
             fut.set_exception(EngineStopped())
             return fut
@@ -264,7 +269,7 @@ class Engine:
                 session.log.info("parked to %s", "disk" if self.limits.park_to_disk else "host memory")
         return parked
 
-    def append(self, session_id: str, text: str) -> Future:
+    def append(self, session_id: str, text: str, then: Callable[[Future], None] | None = None) -> Future:
         """Resolves to an AppendResult once the text's tokens are in the cache."""
 
         def append():
@@ -272,13 +277,31 @@ class Engine:
             tokens = session.tokenize(text)
             if not tokens:
                 raise InvalidRequest("text is empty")
-            session.check_room(len(tokens))
+            if session.window is None:
+                session.check_room(len(tokens))
+            elif check_window_room(session, session.window, len(tokens)):
+                self._enqueue(SlideJob(session, session.window))
             return self._enqueue(PrefillJob(session, tokens, text))
 
-        return self._call(append)
+        return self._call(append, then)
 
-    def revise(self, session_id: str, text: str, from_seq: int | None = None) -> Future:
-        return self._call(lambda: self._enqueue(ReviseJob(self._writable(session_id), text, from_seq)))
+    def configure_window(self, session_id: str, max_tokens: int, keep_tokens: int = 0,
+                         sink_inputs: int = 1, then: Callable[[Future], None] | None = None) -> Future:
+        """Bound the session's reading cache: sinks + recent inputs (sessions/window.py).
+        Resolves to the session state."""
+
+        def update():
+            session = self._live(session_id)
+            set_window(session, max_tokens, keep_tokens, sink_inputs)
+            if session.cache.length + session.pending_tokens > max_tokens:
+                self._enqueue(SlideJob(session, session.window))
+            return session.state()
+
+        return self._call(update, then)
+
+    def revise(self, session_id: str, text: str, from_seq: int | None = None,
+               then: Callable[[Future], None] | None = None) -> Future:
+        return self._call(lambda: self._enqueue(ReviseJob(self._writable(session_id), text, from_seq)), then)
 
     def end_input(self, session_id: str) -> Future:
         """No more input. With thinking on, a final deliberation continues the notes."""
@@ -298,6 +321,8 @@ class Engine:
 
         def update():
             session = self._live(session_id)
+            if session.window is not None and settings.get("mode", "off") != "off":
+                raise InvalidRequest(f"session {session_id} has a text window; thinking needs an unbounded cache")
             configure(session, _thinking_config(settings))
             return session.state()
 

@@ -93,6 +93,7 @@ class Session:
         self.rules: dict = {}  # rule_id -> FlashRule
         self.next_rule_id = 0
         self.actions = None  # ActionLoop, when a policy runs
+        self.window = None  # TextWindow, when the cache is bounded (sessions/window.py)
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 
     @property
@@ -182,6 +183,7 @@ class Session:
             "thinking": self.thinking.public() if self.thinking is not None else {"mode": "off"},
             "rules": [{"rule_id": r.rule_id, "flash_id": r.flash_id, "pattern": r.pattern, "fired": r.fired}
                       for r in self.rules.values()],
+            "window": self.window.public() if self.window is not None else None,
             "actions": {"running": True, "mode": self.actions.controller.mode, "last_seq": self.actions.controller.seq,
                         "errors": self.actions.errors} if self.actions is not None else {"running": False},
         }

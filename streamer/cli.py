@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="change any limit in docs/limits.md, e.g. messages_per_s=50 (repeatable; "
                             "'--limit help' lists them with their values)")
     _durability_args(serve)
+    serve.add_argument("--no-media", action="store_true", help="refuse binary media frames")
+    serve.add_argument("--video-encoder", default="describer", metavar="SPEC",
+                       help="'describer' (frame statistics as text, no weights), 'tiny' (a random-weight "
+                            "Qwen2.5-VL: plumbing only) or a Qwen2.5-VL checkpoint id or directory (default: %(default)s)")
+    serve.add_argument("--frame-tokens", type=int, default=256, help="VLM visual tokens per frame (default: %(default)s)")
+    serve.add_argument("--sample-fps", type=float, default=2.0,
+                       help="video frames per second of media time handed to the encoder (default: %(default)s)")
+    serve.add_argument("--media-window", type=int, default=4096, metavar="TOKENS",
+                       help="text window given to sessions that receive media; 0 leaves them unbounded "
+                            "(default: %(default)s)")
     _model_args(serve)
 
     demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys", "store_url", "worker_id",
-               "public_url"}
+               "public_url", "media"}
 
 
 def apply_limits(items: list[str], config, limits):
@@ -185,7 +195,8 @@ def _serve(args: argparse.Namespace, limits) -> int:
                     "(use --api-keys-file)", args.host)
     config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
                           api_keys=keys, sessions_per_key=args.sessions_per_key, store_url=args.store,
-                          detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url)
+                          detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url,
+                          media=_media_config(args))
     try:
         config, limits = apply_limits(args.limit, config, limits)
     except ValueError as exc:
@@ -205,6 +216,23 @@ def _serve(args: argparse.Namespace, limits) -> int:
     finally:
         engine.stop()
     return 0
+
+
+def _media_config(args: argparse.Namespace):
+    """Media settings from the serve flags (None: media off)."""
+    if args.no_media:
+        return None
+    from streamer.media import MediaConfig
+    from streamer.vision.ingest import VideoConfig
+
+    encoder = None
+    if args.video_encoder != "describer":
+        from streamer.vision.vlm import vlm_factory_from_spec
+
+        encoder = vlm_factory_from_spec(args.video_encoder, frame_tokens=args.frame_tokens, dtype=args.dtype,
+                                        device=args.device)
+    return MediaConfig(video=VideoConfig(sample_fps=args.sample_fps), video_encoder=encoder,
+                       window_tokens=args.media_window or None)
 
 
 if __name__ == "__main__":

@@ -136,22 +136,34 @@ class Keeper:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         done.add_done_callback(lambda d: d.cancelled() or d.exception())  # a waiter may be gone
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._start_log, session_id, f, record_of, done))
+        return done
 
-        def start(f) -> None:
-            if f.cancelled() or f.exception() is not None:
+    def log_hook(self, session_id: str, record_of, loop: asyncio.AbstractEventLoop):
+        """A done-callback for an engine future made on another thread (media ingest): pass it
+        as the engine call's `then`, so it is attached before the engine can finish, and the
+        change is logged in the order the engine applied it, like `log_after`."""
+        return lambda f: loop.call_soon_threadsafe(self._start_log, session_id, f, record_of, None)
+
+    def _start_log(self, session_id: str, f, record_of, done: asyncio.Future | None) -> None:
+        if f.cancelled() or f.exception() is not None:
+            if done is not None:
                 done.set_result(None)  # nothing applied: nothing to log
-                return
-            try:
-                record = record_of(f.result())
-            except Exception as exc:  # a bug: the waiter reports it
+            return
+        try:
+            record = record_of(f.result())
+        except Exception as exc:  # a bug: the waiter reports it
+            if done is not None:
                 done.set_exception(exc)
-                return
-            task = self.spawn(self.logged(session_id, record))
+            else:
+                log.exception("building the log record of session %s failed", session_id)
+            return
+        task = self.spawn(self.logged(session_id, record))
+        if done is not None:
             task.add_done_callback(lambda t: done.set_exception(t.exception()) if t.exception() is not None
                                    else done.set_result(None))
-
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(start, f))
-        return done
+        else:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged() reports its failures
 
     async def logged(self, session_id: str, record: dict, reply: str | None = None) -> str | None:
         """Append `record` to the session's log, then hand back `reply` (the acknowledgement).
@@ -380,3 +392,33 @@ def _is(token: str | None, want_digest: str) -> bool:
     import hmac
 
     return bool(token) and hmac.compare_digest(digest(token).encode(), want_digest.encode())
+
+
+class LoggedEngine:
+    """The engine as the media path sees it: appends, revises and window settings made on a
+    media thread (observations, transcripts) go to the session's event log like a client's
+    inputs, in the order the engine applied them, so replay rebuilds media sessions too.
+    Everything else is the engine itself."""
+
+    def __init__(self, engine, keeper: Keeper, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine, self._keeper, self._loop = engine, keeper, loop
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def append(self, session_id: str, text: str):
+        hook = self._keeper.log_hook(session_id, lambda r: {"kind": "append", "text": text, "seq": r.seq,
+                                                            "source": "media"}, self._loop)
+        return self._engine.append(session_id, text, then=hook)
+
+    def revise(self, session_id: str, text: str, from_seq: int | None = None):
+        hook = self._keeper.log_hook(session_id, lambda r: {"kind": "revise", "text": text, "from_seq": from_seq,
+                                                            "seq": r.seq, "source": "media"}, self._loop)
+        return self._engine.revise(session_id, text, from_seq, then=hook)
+
+    def configure_window(self, session_id: str, max_tokens: int, keep_tokens: int = 0, sink_inputs: int = 1):
+        window = {"max_tokens": max_tokens, "keep_tokens": keep_tokens, "sink_inputs": sink_inputs}
+        hook = self._keeper.log_hook(session_id, lambda _: {"kind": "update", "thinking": None, "window": window},
+                                     self._loop)
+        return self._engine.configure_window(session_id, max_tokens, keep_tokens, sink_inputs, then=hook)
+

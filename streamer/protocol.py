@@ -36,6 +36,16 @@ FLASH_LIMIT = "flash_limit"
 LIMIT_CODES = {"max_text_chars": TEXT_TOO_LONG, "max_question_chars": QUESTION_TOO_LONG,
                "max_system_prompt_chars": SYSTEM_PROMPT_TOO_LONG, "max_pattern_chars": PATTERN_TOO_LONG,
                "max_id_chars": INVALID_FIELD}
+MEDIA_HEADER_INVALID = "media_header_invalid"
+MEDIA_TOO_LARGE = "media_too_large"
+UNSUPPORTED_MEDIA = "unsupported_media"
+
+# Media kinds and the formats each takes on the wire ("opus": an Ogg-Opus byte stream, "aac": ADTS).
+MEDIA_FORMATS: dict[str, tuple[str, ...]] = {
+    "video": ("mp4", "webm", "mpegts"),
+    "image": ("jpeg", "png"),
+    "audio": ("pcm_s16le", "opus", "aac"),
+}
 
 
 class ProtocolError(Exception):
@@ -63,6 +73,8 @@ class ProtocolLimits:
     max_pattern_chars: int = 1024  # action.rule pattern
     max_id_chars: int = 64
     max_flash_at_create: int = 64  # flash questions listed in one session.create
+    max_media_bytes: int = 8 << 20  # payload of one binary media frame
+    max_media_header_bytes: int = 4096
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -109,11 +121,18 @@ THINKING_FIELDS: dict[str, _Field] = {
     "question": _Field("str", limit="max_question_chars"),
     "prompt": _Field("str", limit="max_question_chars"),
 }
+WINDOW_FIELDS: dict[str, _Field] = {
+    "max_tokens": _Field("int", True, lo=1),
+    "keep_tokens": _Field("int", lo=0),
+    "sink_inputs": _Field("int", lo=0, hi=10_000),
+}
 SCHEMAS: dict[str, dict[str, _Field]] = {
     "session.create": {"system_prompt": _Field("str", limit="max_system_prompt_chars"),
                        "session_id": _Field("id"), "flash": _Field("flashlist"),
-                       "thinking": _Field("object", schema=THINKING_FIELDS)},
-    "session.update": {"session_id": _SID, "thinking": _Field("object", True, schema=THINKING_FIELDS)},
+                       "thinking": _Field("object", schema=THINKING_FIELDS),
+                       "window": _Field("object", schema=WINDOW_FIELDS)},
+    "session.update": {"session_id": _SID, "thinking": _Field("object", schema=THINKING_FIELDS),
+                       "window": _Field("object", schema=WINDOW_FIELDS)},
     "session.get": {"session_id": _SID},
     "session.close": {"session_id": _SID},
     "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars"),
@@ -153,6 +172,13 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "action.stop": {"session_id": _SID},
     "robot.state": {"session_id": _SID, "state": _Field("numlist", required=True), "ts": _Field("float", lo=0.0)},
 }
+# The JSON header of a binary media frame (not a text message type: see receive_binary).
+MEDIA_FIELDS: dict[str, _Field] = {
+    "session_id": _SID, "kind": _Field("id", required=True), "format": _Field("id", required=True),
+    "seq": _Field("int", required=True, lo=0, hi=2**53), "ts": _Field("float", required=True, lo=0.0),
+    "sample_rate": _Field("int", lo=1000, hi=384_000), "channels": _Field("int", lo=1, hi=8),
+    "end": _Field("bool"), "live": _Field("bool"),
+}
 
 
 class ServerProtocol:
@@ -184,10 +210,63 @@ class ServerProtocol:
         return self._command(msg)
 
     def receive_binary(self, data: bytes) -> Command:
-        """Binary frames carry media; this service accepts none yet."""
+        """Parse one binary media frame (docs/protocol.md, "Media frames"): a 4-byte big-endian
+        header length N, N bytes of UTF-8 JSON header, then the payload. Returns a `media`
+        Command whose fields are the header's plus `payload` (bytes). Raises ProtocolError with
+        `media_header_invalid` or `media_too_large` (both recoverable)."""
+        data = bytes(data)
+        if len(data) < 4:
+            raise ProtocolError(MEDIA_HEADER_INVALID, f"binary frame of {len(data)} bytes has no header length "
+                                "(4-byte big-endian prefix)")
+        n = int.from_bytes(data[:4], "big")
+        if n == 0 or n > self.limits.max_media_header_bytes or 4 + n > len(data):
+            raise ProtocolError(MEDIA_HEADER_INVALID, f"binary frame header length {n} is not in "
+                                f"[1, {min(self.limits.max_media_header_bytes, len(data) - 4)}]")
+        try:
+            header = json.loads(data[4:4 + n].decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise ProtocolError(MEDIA_HEADER_INVALID, f"binary frame header is not UTF-8 JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ProtocolError(MEDIA_HEADER_INVALID, "binary frame header must be a JSON object")
+        sid = header.get("session_id")
+        session_id = sid if _is_id(sid, self.limits.max_id_chars) else None
+        try:
+            try:
+                fields = self._validate("media", header)
+            except ProtocolError as err:
+                err.code = MEDIA_HEADER_INVALID
+                raise
+            self._check_media(fields, len(data) - 4 - n)
+        except ProtocolError as err:
+            err.session_id = session_id
+            raise
+        sid = fields.pop("session_id")
+        fields["payload"] = data[4 + n:]
+        return Command("media", None, sid, fields)
+
+    def _check_media(self, f: dict[str, Any], size: int) -> None:
+        kind, fmt = f["kind"], f["format"]
+        known = "; ".join(f"{k}: {', '.join(v)}" for k, v in MEDIA_FORMATS.items())
+        if kind not in MEDIA_FORMATS:
+            raise ProtocolError(UNSUPPORTED_MEDIA, f"media kind {_short(kind)} is not supported ({known})",
+                                param="kind")
+        if fmt not in MEDIA_FORMATS[kind]:
+            raise ProtocolError(UNSUPPORTED_MEDIA, f"format {_short(fmt)} is not supported for {kind} ({known})",
+                                param="format")
+        if fmt == "pcm_s16le" and (f.get("sample_rate") is None or f.get("channels") is None):
+            raise ProtocolError(MEDIA_HEADER_INVALID, "pcm_s16le needs 'sample_rate' and 'channels'",
+                                param="sample_rate")
+        if size > self.limits.max_media_bytes:
+            raise ProtocolError(MEDIA_TOO_LARGE, f"media payload of {size} bytes exceeds the limit of "
+                                f"{self.limits.max_media_bytes} bytes", param="payload")
+        if size == 0 and not f.get("end"):
+            raise ProtocolError(MEDIA_HEADER_INVALID, "media frame has an empty payload and no 'end'",
+                                param="payload")
+
+    def refuse_binary(self, data: bytes) -> Command:
+        """A server without media input refuses every binary frame."""
         raise ProtocolError(UNEXPECTED_BINARY,
-                            f"binary frame of {len(data)} bytes not expected: this server takes JSON text frames "
-                            "(media input is not enabled)")
+                            f"binary frame of {len(data)} bytes not expected: media input is not enabled on this server")
 
     @staticmethod
     def invalid_utf8(exc: Exception | None = None) -> ProtocolError:
@@ -216,7 +295,7 @@ class ServerProtocol:
         return Command(kind, event_id, sid, fields)
 
     def _validate(self, kind: str, msg: dict, schema: dict[str, _Field] | None = None) -> dict[str, Any]:
-        schema = SCHEMAS[kind] if schema is None else schema
+        schema = (MEDIA_FIELDS if kind == "media" else SCHEMAS[kind]) if schema is None else schema
         extra = set(msg) - set(schema) - {"type", "event_id"}
         if extra:
             name = sorted(extra)[0]
@@ -308,15 +387,21 @@ class ServerProtocol:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
     def error(self, code: str, message: str, *, recoverable: bool = True, reply_to: str | None = None,
-              session_id: str | None = None, param: str | None = None) -> str:
+              session_id: str | None = None, param: str | None = None, media_seq: int | None = None) -> str:
         detail = {"code": code, "message": message, "recoverable": recoverable}
         if param:
             detail["param"] = param
-        return self.event("error", error=detail, reply_to=reply_to, session_id=session_id)
+        return self.event("error", error=detail, reply_to=reply_to, session_id=session_id, media_seq=media_seq)
 
     def protocol_error(self, err: ProtocolError) -> str:
         return self.error(err.code, err.message, recoverable=err.recoverable, reply_to=err.reply_to,
                           session_id=err.session_id, param=err.param)
+
+
+def media_frame(header: dict[str, Any], payload: bytes) -> bytes:
+    """Build a binary media frame: 4-byte big-endian header length, JSON header, payload."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return len(head).to_bytes(4, "big") + head + payload
 
 
 def _is_id(value: Any, limit: int) -> bool:

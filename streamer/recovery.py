@@ -43,6 +43,8 @@ async def replay(engine: Engine, session_id: str, records: list[dict]) -> dict:
     first = records[0]
     await asyncio.wrap_future(engine.create_session(first.get("system_prompt"), session_id,
                                                     first.get("flash") or None, first.get("thinking")))
+    if first.get("window"):
+        await asyncio.wrap_future(engine.configure_window(session_id, **first["window"]))
     pending: list[tuple[dict, Future]] = []
     for record in records[1:]:
         fut = _apply(engine, session_id, record)
@@ -76,7 +78,11 @@ def _apply(engine: Engine, sid: str, record: dict) -> Future | None:
     if kind == "flash.unregister":
         return engine.unregister_flash(sid, record["flash_id"])
     if kind == "update":
-        return engine.configure_thinking(sid, record["thinking"])
+        if record.get("thinking") is not None:
+            fut = engine.configure_thinking(sid, record["thinking"])
+            if not record.get("window"):
+                return fut
+        return engine.configure_window(sid, **record["window"])
     if kind == "close":
         raise ReplayError(f"session {sid} was closed")
     raise ReplayError(f"unknown record kind {kind!r} in the log of session {sid}")

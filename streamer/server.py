@@ -31,7 +31,8 @@ from streamer.sessions.sampling import SamplingParams
 
 from .auth import ApiKeys, SessionTokens, key_from_request
 from .dashboard import response as dashboard_response
-from .durability import DEFAULT_DETACH_TTL_S, DEFAULT_SNAPSHOT_INTERVAL_S, Keeper
+from .durability import DEFAULT_DETACH_TTL_S, DEFAULT_SNAPSHOT_INTERVAL_S, Keeper, LoggedEngine
+from .media import MediaConfig, MediaHub
 from .metrics import render as render_metrics
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
 from .recovery import flash_record
@@ -83,6 +84,7 @@ class ServerConfig:
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S  # at most one snapshot per session per interval
     worker_id: str | None = None  # default: a random id per process
     public_url: str | None = None  # how clients reach this worker (sent in `moved`); default ws://host:port
+    media: MediaConfig | None = field(default_factory=MediaConfig)  # None: binary frames are refused
 
 
 class InvalidText:
@@ -171,9 +173,12 @@ class Connection(ResumeCommands):
             "session.update": self.on_session_update,
             "action.rule": self.on_action_rule, "action.rule.remove": self.on_action_rule_remove,
             "action.start": self.on_action_start, "action.stop": self.on_action_stop,
-            "robot.state": self.on_robot_state,
+            "robot.state": self.on_robot_state, "media": self.on_media,
             "session.resume": self.on_session_resume, "sessions.list": self.on_sessions_list,
         }
+        media = server.config.media
+        self.media = (MediaHub(LoggedEngine(self.engine, server.keeper, self.loop), media, self._media_event,
+                               self._media_error) if media else None)
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -321,8 +326,12 @@ class Connection(ResumeCommands):
                     self.send(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
                     continue
                 try:
-                    cmd = (self.proto.receive_text(frame) if isinstance(frame, str)
-                           else self.proto.receive_binary(frame))
+                    if isinstance(frame, str):
+                        cmd = self.proto.receive_text(frame)
+                    elif self.media is None:
+                        cmd = self.proto.refuse_binary(frame)
+                    else:
+                        cmd = self.proto.receive_binary(frame)
                 except ProtocolError as err:
                     self.send(self.proto.protocol_error(err))
                     continue
@@ -346,6 +355,8 @@ class Connection(ResumeCommands):
                     log.exception("handling %s failed", cmd.type)
                     self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
                                                reply_to=cmd.event_id, session_id=cmd.session_id))
+                if cmd.type == "media" and self.media is not None:
+                    await self.media.throttle(cmd)
         finally:
             watchdog.cancel()
             if self.dropping is None:
@@ -356,6 +367,8 @@ class Connection(ResumeCommands):
 
     async def cleanup(self) -> None:
         self.closed = True
+        if self.media is not None:
+            self.media.close()
         for task in list(self.tasks):
             task.cancel()
         for handle in self.queries.values():
@@ -401,6 +414,15 @@ class Connection(ResumeCommands):
             server.sessions_by_key[self.key_name] = held + 1  # reserved now, released if creation fails
         flash = [_flash_args(item) for item in cmd["flash"] or ()]
         fut = self.engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"])
+        if cmd["window"]:
+            created_fut = fut
+            fut = _and_then(fut, lambda st: self.engine.configure_window(st["session_id"], **cmd["window"]))
+
+            def refused(f) -> None:  # a window the session cannot take: no half-made session stays
+                if f.exception() is not None and created_fut.exception() is None:
+                    self.engine.close_session(created_fut.result()["session_id"])
+
+            fut.add_done_callback(refused)
 
         key_name = self.key_name if server.config.api_keys.enabled else None
 
@@ -427,6 +449,7 @@ class Connection(ResumeCommands):
                 server.mqtt.attach(sid)
             server.keeper.track(sid, key_name)
             record = {"kind": "create", "system_prompt": cmd["system_prompt"], "thinking": cmd["thinking"],
+                      "window": cmd["window"],
                       "flash": [flash_record(a, q) for a, q in zip(flash, state["flash"])],
                       "tokens": server.tokens.export(sid), "key": key_name}
             return server.keeper.created(sid, record, self.proto.event(
@@ -446,20 +469,33 @@ class Connection(ResumeCommands):
 
     def on_session_update(self, cmd: Command) -> None:
         if self.owned(cmd):
-            self.reply(cmd, self.engine.configure_thinking(cmd.session_id, cmd["thinking"]),
+            sid = cmd.session_id
+            if cmd["thinking"] is None and cmd["window"] is None:
+                self.refuse(cmd, "missing_field", "session.update needs 'thinking' or 'window'")
+                return
+            if cmd["thinking"] is not None:
+                fut = self.engine.configure_thinking(sid, cmd["thinking"])
+                if cmd["window"]:
+                    fut = _and_then(fut, lambda _: self.engine.configure_window(sid, **cmd["window"]))
+            else:
+                fut = self.engine.configure_window(sid, **cmd["window"])
+            self.reply(cmd, fut,
                        lambda st: self.proto.event("session.updated", reply_to=cmd.event_id,
                                                    session_id=cmd.session_id, session=st),
-                       log=lambda _: {"kind": "update", "thinking": cmd["thinking"]})
+                       log=lambda _: {"kind": "update", "thinking": cmd["thinking"], "window": cmd["window"]})
 
     def on_session_get(self, cmd: Command) -> None:
         if self.readable(cmd):
             self.reply(cmd, self.engine.session_state(cmd.session_id),
-                       lambda st: self.proto.event("state", reply_to=cmd.event_id, session_id=cmd.session_id, session=st))
+                       lambda st: self.proto.event("state", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                                   session=self._with_media(cmd.session_id, st)))
 
     def on_session_close(self, cmd: Command) -> None:
         if self.owned(cmd):
             self.sessions.discard(cmd.session_id)
             self.listeners.pop(cmd.session_id, None)
+            if self.media is not None:
+                self.media.close_session(cmd.session_id)
             self.server.forget(cmd.session_id)
             if self.server.mqtt is not None:
                 self.server.mqtt.detach(cmd.session_id)
@@ -622,6 +658,44 @@ class Connection(ResumeCommands):
                        lambda r: self.proto.event("action.stopped", reply_to=cmd.event_id,
                                                   session_id=cmd.session_id, **r))
 
+    def on_media(self, cmd: Command) -> None:
+        """A binary media frame: decoded on its stream's thread; `input.ack` when it is in."""
+        if not self.owned(cmd):
+            return
+        f = cmd.fields
+
+        def ack(counters: dict) -> None:
+            self.send(self.proto.event("input.ack", session_id=cmd.session_id, kind=f["kind"], format=f["format"],
+                                       media_seq=f["seq"], bytes=len(f["payload"]), ended=f.get("end") or None,
+                                       media=counters))
+
+        self.media.submit(cmd, self.loop, ack)
+
+    def _media_event(self, event: str, sid: str, payload: dict) -> None:
+        """Media events come from stream threads: build and queue them on the loop."""
+        def send() -> None:
+            if event == "error":
+                err = payload["error"]
+                self.send(self.proto.error(err["code"], err["message"], recoverable=err["recoverable"],
+                                           session_id=sid))
+            else:
+                self.send(self.proto.event(event, session_id=sid, **payload))
+
+        if not self.closed:
+            try:
+                self.loop.call_soon_threadsafe(send)
+            except RuntimeError:  # the loop is gone (server shutting down): nobody to tell
+                pass
+
+    def _media_error(self, cmd: Command, exc: EngineError) -> None:
+        self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, session_id=cmd.session_id,
+                                   param="payload" if exc.code in ("media_decode_error", "media_too_large") else None,
+                                   media_seq=cmd["seq"]))
+
+    def _with_media(self, sid: str, state: dict) -> dict:
+        media = self.media.state(sid) if self.media is not None else None
+        return {**state, "media": media} if media else state
+
     def on_robot_state(self, cmd: Command) -> None:
         """Robot state comes from the producer at control rate: no reply unless it is refused."""
         if not self.owned(cmd):
@@ -656,6 +730,29 @@ def _then(first: Future, second: Future) -> Future:
             out.set_result(source.result())
 
     first.add_done_callback(lambda _: second.add_done_callback(done))
+    return out
+
+
+def _and_then(first: Future, make_second: Callable[[object], Future]) -> Future:
+    """A future for `make_second(first's result)`, or first's error."""
+    out: Future = Future()
+
+    def relay(src: Future) -> None:
+        if src.exception() is not None:
+            out.set_exception(src.exception())
+        else:
+            out.set_result(src.result())
+
+    def step(f: Future) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+            return
+        try:
+            make_second(f.result()).add_done_callback(relay)
+        except Exception as exc:
+            out.set_exception(exc)
+
+    first.add_done_callback(step)
     return out
 
 

@@ -238,7 +238,7 @@ def test_limits_are_documented():
     for cls in (ProtocolLimits, ServerConfig, EngineLimits):
         for f in dataclasses.fields(cls):
             if f.name in ("host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys", "store_url",
-                          "worker_id", "public_url"):
+                          "worker_id", "public_url", "media"):
                 continue
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name} missing from docs/limits.md"
 

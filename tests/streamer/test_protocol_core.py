@@ -19,6 +19,7 @@ CODES = {
     P.INVALID_JSON, P.INVALID_UTF8, P.NOT_AN_OBJECT, P.UNKNOWN_TYPE, P.MISSING_FIELD,
     P.INVALID_FIELD, P.UNKNOWN_FIELD, P.MESSAGE_TOO_LARGE, P.UNEXPECTED_BINARY,
     P.TEXT_TOO_LONG, P.QUESTION_TOO_LONG, P.SYSTEM_PROMPT_TOO_LONG, P.PATTERN_TOO_LONG, P.FLASH_LIMIT,
+    P.MEDIA_HEADER_INVALID, P.UNSUPPORTED_MEDIA, P.MEDIA_TOO_LARGE,
 }
 
 # One valid message per type, with every field the schema knows (session_id included).
@@ -28,8 +29,9 @@ FULL = {
                                   "min_interval_ms": 100, "confirm": 2}, {"question": "Where?"}],
                        "thinking": {"mode": "dual", "every_tokens": 64, "unit_tokens": 16, "stop": "sentence",
                                     "final_tokens": 32, "max_tokens": 512, "positions": "after", "offset": 0,
-                                    "question": "Who?", "prompt": "Notes."}},
-    "session.update": {"session_id": "s-1", "thinking": {"mode": "off"}},
+                                    "question": "Who?", "prompt": "Notes."},
+                       "window": {"max_tokens": 2048, "keep_tokens": 1024, "sink_inputs": 1}},
+    "session.update": {"session_id": "s-1", "thinking": {"mode": "off"}, "window": {"max_tokens": 512}},
     "session.get": {"session_id": "s-1"},
     "session.close": {"session_id": "s-1"},
     "input.text.append": {"session_id": "s-1", "text": "hello wörld ✓\n", "client_seq": 7},
@@ -691,18 +693,66 @@ def test_per_field_default_limits():
          param="system_prompt")
 
 
-# ---- unexpected_binary --------------------------------------------------------------------------
+# ---- binary media frames ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("data", [b"", b"abc", json.dumps(full("session.get")).encode(), bytes(range(256))])
-def test_binary_frames_are_refused(data):
+def test_binary_frames_are_refused_without_media(data):
     proto = ServerProtocol()
     with pytest.raises(ProtocolError) as info:
-        proto.receive_binary(data)
+        proto.refuse_binary(data)
     err = info.value
     assert err.code == P.UNEXPECTED_BINARY and err.recoverable is True
     assert f"binary frame of {len(data)} bytes not expected" in err.message
     assert (err.reply_to, err.session_id, err.param) == (None, None, None)
+
+
+MEDIA = {"session_id": "s-1", "kind": "audio", "format": "pcm_s16le", "seq": 3, "ts": 12.5, "sample_rate": 48000,
+         "channels": 2, "end": False, "live": True}
+
+
+def test_media_frame_roundtrip():
+    cmd = ServerProtocol().receive_binary(P.media_frame(MEDIA, b"\x01\x02\x03"))
+    assert cmd.type == "media" and cmd.session_id == "s-1" and cmd.event_id is None
+    assert cmd.fields == {**{k: v for k, v in MEDIA.items() if k != "session_id"}, "payload": b"\x01\x02\x03"}
+    for kind, formats in P.MEDIA_FORMATS.items():
+        for fmt in formats:
+            head = {"session_id": "s", "kind": kind, "format": fmt, "seq": 0, "ts": 0}
+            if fmt == "pcm_s16le":
+                head.update(sample_rate=16000, channels=1)
+            assert ServerProtocol().receive_binary(P.media_frame(head, b"x"))["format"] == fmt
+    end = ServerProtocol().receive_binary(P.media_frame({**MEDIA, "end": True}, b""))
+    assert end["end"] is True and end["payload"] == b""
+
+
+@pytest.mark.parametrize("data, code, needle", [
+    (b"", P.MEDIA_HEADER_INVALID, "no header length"),
+    (b"\x00\x00\x00", P.MEDIA_HEADER_INVALID, "no header length"),
+    (b"\x00\x00\x00\x00abc", P.MEDIA_HEADER_INVALID, "header length 0"),
+    (b"\x00\x00\x00\x09{}", P.MEDIA_HEADER_INVALID, "header length 9"),
+    (b"\x00\x01\x00\x00" + b" " * 70000, P.MEDIA_HEADER_INVALID, "header length 65536"),
+    (b"\x00\x00\x00\x02\xff\xfe", P.MEDIA_HEADER_INVALID, "not UTF-8 JSON"),
+    (b"\x00\x00\x00\x03NaN", P.MEDIA_HEADER_INVALID, "not UTF-8 JSON"),
+    (b"\x00\x00\x00\x02[]", P.MEDIA_HEADER_INVALID, "JSON object"),
+    (P.media_frame({**MEDIA, "seq": None}, b"x"), P.MEDIA_HEADER_INVALID, "needs 'seq'"),
+    (P.media_frame({**MEDIA, "seq": -1}, b"x"), P.MEDIA_HEADER_INVALID, "'seq'"),
+    (P.media_frame({**MEDIA, "ts": "now"}, b"x"), P.MEDIA_HEADER_INVALID, "'ts'"),
+    (P.media_frame({**MEDIA, "colour": 1}, b"x"), P.MEDIA_HEADER_INVALID, "colour"),
+    (P.media_frame({**MEDIA, "sample_rate": None}, b"x"), P.MEDIA_HEADER_INVALID, "sample_rate"),
+    (P.media_frame({**MEDIA, "channels": 9}, b"x"), P.MEDIA_HEADER_INVALID, "channels"),
+    (P.media_frame({**MEDIA, "kind": "smell"}, b"x"), P.UNSUPPORTED_MEDIA, "smell"),
+    (P.media_frame({**MEDIA, "format": "flac"}, b"x"), P.UNSUPPORTED_MEDIA, "flac"),
+    (P.media_frame({**MEDIA, "kind": "video"}, b"x"), P.UNSUPPORTED_MEDIA, "pcm_s16le"),
+    (P.media_frame(MEDIA, b""), P.MEDIA_HEADER_INVALID, "empty payload"),
+    (P.media_frame(MEDIA, b"x" * 1025), P.MEDIA_TOO_LARGE, "1025 bytes"),
+])
+def test_bad_media_frames(data, code, needle):
+    proto = ServerProtocol(ProtocolLimits(max_media_bytes=1024))
+    with pytest.raises(ProtocolError) as info:
+        proto.receive_binary(data)
+    err = info.value
+    assert err.code == code and err.recoverable is True and needle in err.message, err.message
+    assert err.session_id in (None, "s-1")
 
 
 # ---- outbound -----------------------------------------------------------------------------------
@@ -910,7 +960,7 @@ def test_randomized_inputs_only_raise_protocol_error():
             assert outcomes[0] in (P.INVALID_UTF8, P.MESSAGE_TOO_LARGE)
         else:
             assert _check_outcome(proto, proto.receive_text, text) == outcomes[0]
-        assert outcomes[1] == P.UNEXPECTED_BINARY
+        assert outcomes[1] in (P.MEDIA_HEADER_INVALID, P.UNSUPPORTED_MEDIA, P.MEDIA_TOO_LARGE)
         seen[outcomes[0]] = seen.get(outcomes[0], 0) + 1
     # the generator reaches the success path and most error codes
     assert seen.get("ok", 0) > 50

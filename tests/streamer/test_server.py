@@ -139,7 +139,9 @@ def test_invalid_utf8(tiny_engine):
 
 
 def test_binary_frame(tiny_engine):
-    err = bad_input_case(tiny_engine, b"\x00\x01binary", "unexpected_binary")
+    err = bad_input_case(tiny_engine, b"\x00\x01binary", "media_header_invalid")
+    assert "header length 90729" in err["message"]
+    err = bad_input_case(tiny_engine, b"\x00\x01binary", "unexpected_binary", media=None)
     assert "binary frame of 8 bytes" in err["message"]
 
 

@@ -1,0 +1,298 @@
+"""`streamer client media ...`: stream a video, audio or image file (or a camera or microphone)
+into a session as binary media frames, printing observations and transcripts as they land.
+
+Files are read with PyAV (the `media` extra). Video is remuxed, without re-encoding, into
+fragmented MP4 (WebM and MPEG-TS files are sent as they are), so any file streams without the
+server ever seeking; audio is decoded to 16-bit PCM at its own rate. `--realtime` paces the
+pieces by their media time, like a live source (the server then drops stale frames when it
+is behind); otherwise they go as fast as the server takes them, and it drops nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+from .client import StreamerClient
+
+IMAGE_SUFFIXES = {".jpg": "jpeg", ".jpeg": "jpeg", ".png": "png"}
+PASSTHROUGH = {".webm": "webm", ".mkv": "webm", ".ts": "mpegts", ".m2ts": "mpegts"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a video, audio or image file; or a device with --device-format "
+                                       "(e.g. /dev/video0 with v4l2, 'default' with alsa or pulse)")
+    parser.add_argument("--url", default="ws://127.0.0.1:8765", help="service URL (default: %(default)s)")
+    parser.add_argument("--realtime", action="store_true", help="pace the stream by its media time (live)")
+    parser.add_argument("--device-format", default=None, metavar="FORMAT",
+                        help="capture from a device through this FFmpeg input format (v4l2, avfoundation, "
+                             "dshow, alsa, pulse); video is sent as JPEG pictures, audio as PCM")
+    parser.add_argument("--seconds", type=float, default=0.0, help="stop after this much media time (0: all)")
+    parser.add_argument("--fps", type=float, default=2.0, help="device video: pictures per second sent")
+    parser.add_argument("--piece-bytes", type=int, default=32 * 1024,
+                        help="bytes per media frame for container files (default: %(default)s)")
+    parser.add_argument("--ask", action="append", default=[], metavar="QUESTION",
+                        help="a question to ask when the stream ends (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="answer token limit (default: %(default)s)")
+    parser.add_argument("--window", type=int, default=None, metavar="TOKENS",
+                        help="bound the session's cache to this many tokens (sinks + recent inputs)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per event")
+
+
+# ---- sources: (kind, format, payload, media time in seconds, extra header fields) -------------
+
+
+def _av():
+    try:
+        import av
+    except ImportError as exc:
+        raise SystemExit("streaming media needs PyAV: pip install 'streamer[media]'") from exc
+    return av
+
+
+def file_pieces(path: Path, piece_bytes: int) -> Iterator[tuple[str, str, bytes, float, dict]]:
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        yield "image", IMAGE_SUFFIXES[suffix], path.read_bytes(), 0.0, {}
+        return
+    av = _av()
+    with av.open(str(path)) as probe:
+        has_video, has_audio = bool(probe.streams.video), bool(probe.streams.audio)
+        duration = float(probe.duration / 1e6) if probe.duration else 0.0
+    if has_video:
+        if suffix in PASSTHROUGH:
+            yield from _raw_pieces(path, PASSTHROUGH[suffix], piece_bytes, duration)
+        else:
+            yield from _remux_fmp4(path, piece_bytes)
+    elif has_audio:
+        yield from _pcm_pieces(av.open(str(path)), 0.5)
+    else:
+        raise SystemExit(f"{path}: no video or audio stream")
+
+
+def _raw_pieces(path: Path, fmt: str, piece_bytes: int, duration: float):
+    """A streamable container sent as is; media time spread evenly over the bytes."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        sent = 0
+        while piece := f.read(piece_bytes):
+            sent += len(piece)
+            yield "video", fmt, piece, duration * (sent - len(piece)) / max(size, 1), {}
+
+
+class _Collector:
+    """A write-only file for PyAV's muxer: collects what it writes."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out, self.parts = b"".join(self.parts), []
+        return out
+
+
+def _remux_fmp4(path: Path, piece_bytes: int):
+    """Remux the first video track into fragmented MP4 (no re-encoding) as it is read."""
+    av = _av()
+    sink = _Collector()
+    with av.open(str(path)) as src:
+        vin = src.streams.video[0]
+        out = av.open(sink, "w", format="mp4", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        vout = out.add_stream_from_template(vin)
+        t = 0.0
+        for packet in src.demux(vin):
+            if packet.dts is None:
+                continue
+            if packet.pts is not None and packet.time_base is not None:
+                t = max(t, float(packet.pts * packet.time_base))
+            packet.stream = vout
+            out.mux(packet)
+            data = sink.take()
+            while data:
+                yield "video", "mp4", data[:piece_bytes], t, {}
+                data = data[piece_bytes:]
+        out.close()
+        data = sink.take()
+        if data:
+            yield "video", "mp4", data, t, {}
+
+
+def _pcm_pieces(container, piece_s: float):
+    """Decode the first audio track to interleaved s16le at its own rate, in pieces."""
+    av = _av()
+    with container:
+        ain = container.streams.audio[0]
+        rate, channels = ain.rate, ain.channels
+        resampler = av.AudioResampler(format="s16", layout="mono" if channels == 1 else "stereo", rate=rate)
+        channels = min(channels, 2)
+        buf, sent = b"", 0
+        step = int(piece_s * rate) * 2 * channels
+        for frame in container.decode(ain):
+            for out in resampler.resample(frame):
+                buf += bytes(out.planes[0])[: out.samples * 2 * channels]
+            while len(buf) >= step:
+                yield "audio", "pcm_s16le", buf[:step], sent / (2 * channels * rate), \
+                    {"sample_rate": rate, "channels": channels}
+                sent += step
+                buf = buf[step:]
+        if buf:
+            yield "audio", "pcm_s16le", buf, sent / (2 * channels * rate), {"sample_rate": rate, "channels": channels}
+
+
+def device_pieces(device: str, fmt: str, fps: float):
+    """Capture from a camera (as JPEG pictures at `fps`) or a microphone (as PCM). The device is
+    opened here, before anything is sent, so a missing one is reported at once."""
+    av = _av()
+    if fmt not in av.formats_available:
+        have = [f for f in ("v4l2", "avfoundation", "dshow", "alsa", "pulse") if f in av.formats_available]
+        raise SystemExit(f"this PyAV build has no '{fmt}' input format (capture formats it has: "
+                         f"{', '.join(have) or 'none'})")
+    try:
+        container = av.open(device, format=fmt)
+    except (av.error.FFmpegError, OSError) as exc:
+        raise SystemExit(f"cannot open {fmt} device {device!r}: {exc}") from None
+    if container.streams.video:
+        return _camera(container, fps)
+    return _pcm_pieces(container, 0.25)
+
+
+def _camera(container, fps: float):
+    av = _av()
+    from fractions import Fraction
+
+    started, last = None, -1.0
+    with container:
+        for frame in container.decode(video=0):
+            t = frame.time if frame.time is not None else time.monotonic()
+            started = t if started is None else started
+            if t - last < 1.0 / fps:
+                continue
+            last = t
+            ctx = av.CodecContext.create("mjpeg", "w")
+            ctx.width, ctx.height, ctx.pix_fmt, ctx.time_base = frame.width, frame.height, "yuvj420p", Fraction(1, 1)
+            picture = frame.reformat(format="yuvj420p")
+            payload = b"".join(bytes(p) for p in ctx.encode(picture) + ctx.encode(None))
+            yield "image", "jpeg", payload, t - started, {}
+
+
+# ---- the streaming loop -------------------------------------------------------------------
+
+
+async def stream_media(args: argparse.Namespace) -> int:
+    emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
+    if args.device_format:
+        pieces = device_pieces(args.source, args.device_format, args.fps)
+        live = True
+    else:
+        path = Path(args.source)
+        if not path.exists():
+            raise FileNotFoundError(2, "no such file", str(path))
+        pieces = file_pieces(path, args.piece_bytes)
+        live = args.realtime
+    async with await StreamerClient.connect(args.url) as client:
+        window = {"max_tokens": args.window} if args.window else None
+        session = await client.create_session(window=window)
+        _say(emit, f"session {session.id} on {session.model}", event="session", session_id=session.id)
+        acks: dict[int, asyncio.Future] = {}
+        printer = asyncio.get_running_loop().create_task(_print_events(client, emit, acks))
+        sent = await _send_all(session, pieces, args, live, acks)
+        if acks:
+            await asyncio.wait(list(acks.values()), timeout=120)
+        state = await _settle(session)
+        media = state.get("media", {})
+        _say(emit, f"sent {sent} media frames; media state: {json.dumps(media)}", event="done", sent=sent,
+             media=media, tokens=state["tokens"])
+        for question in args.ask:
+            answer = await session.ask(question, max_tokens=args.max_tokens)
+            _say(emit, f"Q: {question}\nA: {answer.text.strip()}", event="answer", question=question,
+                 text=answer.text)
+        await session.close()
+        printer.cancel()
+    return 0
+
+
+async def _send_all(session, pieces, args, live: bool, acks: dict) -> int:
+    loop = asyncio.get_running_loop()
+    started, t0, seq = time.monotonic(), time.time(), 0
+    last = None
+    async for kind, fmt, payload, media_t, extra in _aiter(pieces):
+        if args.seconds and media_t > args.seconds:
+            break
+        if args.realtime or args.device_format:
+            delay = started + media_t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await _send(session, (kind, fmt, payload, seq, t0 + media_t, extra), acks, loop, live)
+        last = (kind, fmt, t0 + media_t, extra)
+        seq += 1
+    if last is not None and last[0] != "image":  # the stream is finished: flush the decoder
+        kind, fmt, ts, extra = last
+        await _send(session, (kind, fmt, b"", seq, ts, {**extra, "end": True}), acks, loop, live)
+        seq += 1
+    return seq
+
+
+async def _send(session, item, acks, loop, live: bool) -> None:
+    kind, fmt, payload, seq, ts, extra = item
+    acks[seq] = loop.create_future()
+    await session.send_media(kind, fmt, payload, seq, ts, live=live if kind != "audio" else None, **extra)
+    if len(acks) > 16:  # keep at most this many frames unacknowledged
+        await asyncio.wait([acks[min(acks)]], timeout=120)
+
+
+async def _aiter(pieces) -> AsyncIterator:
+    """Run the (blocking) source in a thread, one piece at a time."""
+    loop = asyncio.get_running_loop()
+    it = iter(pieces)
+    done = object()
+    while (item := await loop.run_in_executor(None, next, it, done)) is not done:
+        yield item
+
+
+async def _settle(session, limit: float = 120.0) -> dict:
+    """Wait until every sampled frame is encoded (or dropped): the observations are in."""
+    deadline = time.monotonic() + limit
+    while True:
+        state = await session.state()
+        video = state.get("media", {}).get("video")
+        if video is None or video["encoded"] + video["dropped"] >= video["sampled"] or time.monotonic() > deadline:
+            await asyncio.sleep(0.3)
+            return await session.state()
+        await asyncio.sleep(0.1)
+
+
+async def _print_events(client, emit, acks: dict) -> None:
+    async for event in client.events():
+        kind = event["type"]
+        if kind == "input.ack" and "media_seq" in event:
+            fut = acks.pop(event["media_seq"], None)
+            if fut is not None and not fut.done():
+                fut.set_result(event)
+        elif kind == "media.observation":
+            _say(emit, f"  [{event['start_s']:.1f}s +{event['lag_ms']:.0f} ms] {(event.get('text') or '').strip()}",
+                 event="observation", **{k: event.get(k) for k in ("start_s", "text", "lag_ms", "seq", "events")})
+        elif kind == "media.transcript":
+            mark = "final" if event["final"] else "partial"
+            _say(emit, f"  [{event['start_s']:.1f}-{event['end_s']:.1f}s {mark}] {event['text']}",
+                 event="transcript", **{k: event.get(k) for k in ("start_s", "end_s", "text", "final", "segment")})
+        elif kind == "error":
+            fut = acks.pop(event.get("media_seq"), None)  # a frame that failed as a whole
+            if fut is not None and not fut.done():
+                fut.set_result(event)
+            err = event["error"]
+            _say(emit, f"  ! {err['code']}: {err['message']}", event="error", **err)
+
+
+def _say(emit, message: str, **fields) -> None:
+    if emit:
+        emit(**fields)
+    else:
+        print(message, flush=True)

@@ -1,0 +1,320 @@
+"""One session's video input, from binary media frames to its cache.
+
+    payload pieces -> VideoDecoder (demux + decode, its own thread) -> FrameSampler (rate,
+    near-duplicates) -> LatestSlot (newest frame wins) -> encoder thread: VisionEncoder ->
+    Engine.append (text observations) or the encoder's own cache (VLM)
+
+`feed()` runs on a worker thread of the caller (never the event loop) and returns once the
+piece is decoded; the encoder thread takes the newest sampled frame whenever it is free, so a
+slow encoder or a busy engine drops stale frames instead of falling ever further behind
+(`live=True`, the default for cameras). With `live=False` (a file sent as fast as possible)
+`feed()` waits for the encoder instead, so no frame is dropped and the sender is slowed down.
+
+Events go out through `emit(type, payload)` from either thread: `media.observation` when an
+observation is in the cache, `error` for failures (the stream resets; the session is kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from .encoder import Frame, Observation, VisionEncoder
+from .errors import MediaError, MediaHeaderInvalid
+from .video import DecodeLimits, FrameSampler, LatestSlot, VideoDecoder, decode_image
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[str, dict], None]
+
+
+@dataclass(slots=True)
+class VideoConfig:
+    """Video input settings, with their defaults."""
+
+    sample_fps: float = 2.0  # frames per second of media time handed to the encoder, at most
+    dup_threshold: float = 1.5  # mean thumbnail difference (luma levels) below which a frame is a duplicate
+    heartbeat_s: float = 10.0  # keep one duplicate this often, so a still scene is confirmed
+    decode: DecodeLimits = field(default_factory=DecodeLimits)
+    append_timeout_s: float = 120.0  # an append the engine has not finished by then counts as failed
+
+
+@dataclass(slots=True)
+class VideoStats:
+    pieces: int = 0
+    bytes: int = 0
+    decoded: int = 0
+    sampled: int = 0
+    duplicates: int = 0
+    dropped: int = 0
+    encoded: int = 0
+    observations: int = 0
+    tokens: int = 0  # visual tokens the encoder appended to its own cache (VLM path)
+    errors: int = 0
+    last_lag_s: float | None = None  # capture timestamp -> observation in the cache
+    max_lag_s: float = 0.0
+
+    def public(self) -> dict:
+        out = {k: getattr(self, k) for k in self.__slots__ if k not in ("last_lag_s", "max_lag_s")}
+        out["lag_ms"] = round(self.last_lag_s * 1000, 1) if self.last_lag_s is not None else None
+        out["max_lag_ms"] = round(self.max_lag_s * 1000, 1)
+        return out
+
+
+class VideoIngest:
+    """The video (and still image) input of one session."""
+
+    def __init__(self, engine, session_id: str, encoder: VisionEncoder, emit: Emit,
+                 config: VideoConfig | None = None) -> None:
+        self.engine = engine
+        self.session_id = session_id
+        self.encoder = encoder
+        self.emit = emit
+        self.config = config or VideoConfig()
+        if encoder.frame_side:  # the encoder wants frames of its own size (a VLM's resolution)
+            self.config = replace(self.config, decode=replace(self.config.decode, max_side=encoder.frame_side))
+        self.stats = VideoStats()
+        self.sampler = FrameSampler(self.config.sample_fps, self.config.dup_threshold, self.config.heartbeat_s)
+        self.slot = LatestSlot()
+        self.decoder: VideoDecoder | None = None
+        self.fmt: str | None = None  # format of the open container stream
+        self.last_seq = -1
+        self.ts0: float | None = None  # capture time of the session's first media: time 0
+        self._offset = 0.0  # media time of the open container's start on the session's clock
+        self._images = 0
+        self._idle = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._worker = threading.Thread(target=self._encode_loop, name=f"encode-{session_id}", daemon=True)
+        self._worker.start()
+
+    # ---- feeder side (a worker thread of the caller; one piece at a time) ---------------------
+
+    def feed(self, kind: str, fmt: str, payload: bytes, seq: int, ts: float, end: bool = False,
+             live: bool = True) -> dict:
+        """Take one media frame's payload; return the stream's counters (for `input.ack`)."""
+        self._check_header(kind, fmt, seq)
+        self.last_seq = seq
+        self.stats.pieces += 1
+        self.stats.bytes += len(payload)
+        if self.ts0 is None:
+            self.ts0 = ts
+        try:
+            if kind == "image":
+                frames = [decode_image(fmt, payload, ts, self._images, self.config.decode)] if payload else []
+                for f in frames:
+                    f.pts = ts - self.ts0
+                self._images += len(frames)
+            else:
+                frames = self._decode(fmt, payload, ts, end)
+        except MediaError:
+            self.stats.errors += 1
+            raise
+        self._offer(frames, live)
+        return self.stats.public()
+
+    def _check_header(self, kind: str, fmt: str, seq: int) -> None:
+        if self._closed:
+            raise MediaHeaderInvalid(f"the video input of session {self.session_id} is closed")
+        if seq <= self.last_seq:
+            raise MediaHeaderInvalid(f"media seq {seq} does not follow seq {self.last_seq} of this stream")
+        if self.decoder is not None and (kind != "video" or fmt != self.fmt):
+            raise MediaHeaderInvalid(f"a {self.fmt} video stream is open on session {self.session_id}; "
+                                     f"got {kind}/{fmt} (send 'end' on the open stream first)")
+
+    def _decode(self, fmt: str, payload: bytes, ts: float, end: bool) -> list[Frame]:
+        if self.decoder is None:
+            self.decoder, self.fmt = VideoDecoder(fmt, ts, self.config.decode), fmt
+            self._offset = ts - self.ts0
+        decoder = self.decoder
+        frames = decoder.feed(payload) if payload else []
+        if end:
+            frames += decoder.finish()
+        self.stats.decoded = self.stats.decoded + len(frames)
+        for f in frames:
+            f.pts += self._offset
+        if end or decoder.failed:
+            self.decoder, self.fmt = None, None
+            if decoder.failed:
+                decoder.close()
+                self._offer(frames, True)  # what decoded before the failure still counts
+                frames = []
+                decoder.check()
+        return frames
+
+    def _offer(self, frames: list[Frame], live: bool) -> None:
+        kept = self.sampler.filter(frames)
+        s = self.sampler.stats
+        self.stats.sampled, self.stats.duplicates = s.sampled, s.duplicates
+        for frame in kept:
+            if not live:
+                self.wait_idle()
+            self.slot.put(frame)
+        self.stats.dropped = self.slot.dropped
+
+    # ---- encoder thread ------------------------------------------------------------------
+
+    def _encode_loop(self) -> None:
+        while True:
+            frame = self.slot.get()
+            if frame is None:
+                break
+            with self._idle:
+                self._busy = True
+            try:
+                self._encode(frame)
+            finally:
+                with self._idle:
+                    self._busy = False
+                    self._idle.notify_all()
+        try:
+            for obs in self.encoder.finish():
+                self._deliver(obs)
+        except Exception:
+            log.exception("encoder finish failed on session %s", self.session_id)
+        finally:
+            self.encoder.close()
+
+    def _encode(self, frame: Frame) -> None:
+        try:
+            observations = self.encoder.encode([frame])
+            self.stats.encoded += 1
+            for obs in observations:
+                self._deliver(obs)
+        except MediaError as exc:
+            self.stats.errors += 1
+            self._error(exc)
+        except Exception as exc:  # a bug in an encoder must not end the stream
+            log.exception("encoding a frame failed on session %s", self.session_id)
+            self.stats.errors += 1
+            self._error(MediaError(f"encoding frame {frame.index} failed: {type(exc).__name__}: {exc}"))
+
+    def _deliver(self, obs: Observation) -> None:
+        payload = {"start_s": round(obs.start_s, 3), "end_s": round(obs.end_s, 3), "capture_ts": obs.ts,
+                   "text": obs.text, "events": obs.events or None, "frames": obs.frames,
+                   "visual_tokens": obs.tokens or None, "encoder": self.encoder.name}
+        if obs.text and self.encoder.appends_text:
+            try:
+                result = self.engine.append(self.session_id, obs.text).result(self.config.append_timeout_s)
+            except Exception as exc:  # EngineError (context, budget, closed) or a timeout
+                self.stats.errors += 1
+                self._error(exc)
+                return
+            payload.update(seq=result.seq, tokens=result.tokens, total_tokens=result.total_tokens,
+                           data_version=result.data_version)
+        self.stats.tokens += obs.tokens
+        self.stats.observations += 1
+        lag = max(0.0, time.time() - obs.ts)
+        self.stats.last_lag_s, self.stats.max_lag_s = lag, max(self.stats.max_lag_s, lag)
+        payload["lag_ms"] = round(lag * 1000, 1)
+        self.emit("media.observation", payload)
+
+    def _error(self, exc: BaseException) -> None:
+        code = getattr(exc, "code", "media_error")
+        self.emit("error", {"error": {"code": code, "message": str(exc) or type(exc).__name__,
+                                      "recoverable": getattr(exc, "recoverable", True)}})
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no frame waits and the encoder is not busy."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy or self.slot.pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(0.05 if left is None else min(left, 0.05))
+        return True
+
+    def state(self) -> dict:
+        return {"stream": self.fmt, "last_seq": self.last_seq, **self.stats.public(),
+                **self.encoder.state()}
+
+    def close(self) -> None:
+        self._closed = True
+        if self.decoder is not None:
+            self.decoder.close()
+        self.slot.close()
+
+
+class AudioIngest:
+    """The audio input of one session: `streamer.vision.audio.AudioStream` (decode, resample to
+    16 kHz mono, voice activity, incremental transcription) and its `TranscriptSink` (partials
+    revise their segment's chunk, finals replace it), fed one piece at a time."""
+
+    def __init__(self, engine, session_id: str, emit: Emit, options: dict | None = None) -> None:
+        from .audio import TranscriptSink  # PyAV and the ASR packages: the 'media' extra
+
+        self.engine = engine
+        self.session_id = session_id
+        self.emit = emit
+        self.options = dict(options or {})
+        self.sink = TranscriptSink(engine, session_id)
+        self.stream = None
+        self.fmt: str | None = None
+        self.rate: tuple[int | None, int | None] = (None, None)
+        self.last_seq = -1
+        self.pieces = self.bytes = self.transcripts = self.errors = 0
+        self._closed = False
+
+    def feed(self, fmt: str, payload: bytes, seq: int, ts: float, sample_rate: int | None = None,
+             channels: int | None = None, end: bool = False) -> dict:
+        from .audio import AudioStream
+
+        if self._closed:
+            raise MediaHeaderInvalid(f"the audio input of session {self.session_id} is closed")
+        if seq <= self.last_seq:
+            raise MediaHeaderInvalid(f"media seq {seq} does not follow seq {self.last_seq} of this stream")
+        if self.stream is not None and (fmt != self.fmt or (fmt == "pcm_s16le" and (sample_rate, channels) != self.rate)):
+            raise MediaHeaderInvalid(
+                f"an audio stream ({self.fmt}, rate {self.rate[0]}, channels {self.rate[1]}) is open on session "
+                f"{self.session_id}; got {fmt} rate {sample_rate} channels {channels} (send 'end' first)")
+        self.last_seq = seq
+        self.pieces += 1
+        self.bytes += len(payload)
+        if self.stream is None:
+            self.stream = AudioStream(fmt, sample_rate=sample_rate, channels=channels, **self.options)
+            self.fmt, self.rate = fmt, (sample_rate, channels)
+        stream = self.stream
+        try:
+            transcripts = stream.feed(payload, ts) if payload else []
+            if end:
+                transcripts += stream.finish()
+        except MediaError:
+            self.errors += 1
+            self.stream, self.fmt = None, None  # the next piece starts a new stream
+            raise
+        finally:
+            if end:
+                self.stream, self.fmt = None, None
+        for t in transcripts:
+            self._apply(t)
+        return self.counters()
+
+    def _apply(self, transcript) -> None:
+        try:
+            result = self.sink.apply(transcript)
+        except Exception as exc:  # an engine error on one transcript; the stream goes on
+            self.errors += 1
+            self.emit("error", {"error": {"code": getattr(exc, "code", "media_error"), "message": str(exc),
+                                          "recoverable": getattr(exc, "recoverable", True)}})
+            return
+        self.transcripts += 1
+        self.emit("media.transcript", {
+            "text": transcript.text, "start_s": round(transcript.start_s, 3), "end_s": round(transcript.end_s, 3),
+            "final": transcript.final, "segment": transcript.segment,
+            "seq": getattr(result, "seq", None), "data_version": getattr(result, "data_version", None)})
+
+    def counters(self) -> dict:
+        return {"pieces": self.pieces, "bytes": self.bytes, "transcripts": self.transcripts, "errors": self.errors}
+
+    def state(self) -> dict:
+        return {"stream": self.fmt, "last_seq": self.last_seq, **self.counters()}
+
+    def close(self) -> None:
+        self._closed = True
+        self.stream = None
