@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .encoder import Frame, Observation, VisionEncoder
-from .errors import MediaError, MediaHeaderInvalid
+from .errors import MediaDecodeError, MediaError, MediaHeaderInvalid, MediaTooLarge
 from .video import DecodeLimits, FrameSampler, LatestSlot, VideoDecoder, decode_image
 
 log = logging.getLogger(__name__)
@@ -284,13 +284,25 @@ class AudioIngest:
             transcripts = stream.feed(payload, ts) if payload else []
             if end:
                 transcripts += stream.finish()
-        except MediaError:
+        except (MediaDecodeError, MediaTooLarge) as exc:
+            # Damaged or oversized bytes: the stream resynchronises itself (Ogg pages, PCM
+            # frames), keeps what it heard and hands held-back transcripts to the next call,
+            # so it stays open. At the end, the finals still come out before the error goes.
             self.errors += 1
-            self.stream, self.fmt = None, None  # the next piece starts a new stream
-            raise
-        finally:
             if end:
                 self.stream, self.fmt = None, None
+                try:
+                    for t in stream.finish():
+                        self._apply(t)
+                except MediaError:
+                    pass
+            raise exc
+        except MediaError:  # the stream itself is unusable (unsupported, mismatched): start over
+            self.errors += 1
+            self.stream, self.fmt = None, None
+            raise
+        if end:
+            self.stream, self.fmt = None, None
         for t in transcripts:
             self._apply(t)
         return self.counters()

@@ -37,3 +37,31 @@ def test_pcm_frames_land_in_the_session_as_stamped_transcripts(tiny, engine_fact
     assert heard([Transcript(texts[0], 0, 0, True, 1)], FIRST) >= 0.8
     assert heard([Transcript(texts[1], 0, 0, True, 2)], SECOND) >= 0.8
     assert engine.session_state(sid).result()["data_version"] >= 2
+
+
+def test_corrupt_opus_page_costs_only_that_page_in_the_session(tiny, engine_factory):
+    """A damaged Ogg page mid-stream gets one media_decode_error; the stream stays open (Opus
+    has no header to start over from), so the later sentence still lands in the session."""
+    import re
+
+    from streamer.vision.errors import MediaDecodeError
+    from test_audio import encode
+
+    engine = engine_factory(tiny[0])
+    sid = engine.create_session().result()["session_id"]
+    events = []
+    ingest = AudioIngest(engine, sid, lambda kind, payload: events.append((kind, payload)), {"partial_every_s": 0})
+    samples, rate, _ = conversation()
+    data = bytearray(encode(samples, rate, "ogg", "libopus", 48000))
+    hit = [m.start() for m in re.finditer(b"OggS", data)][2] + 40
+    data[hit:hit + 16] = bytes(16)
+    parts = pieces(bytes(data), 5, 400)
+    errors = []
+    for seq, part in enumerate(parts, start=1):
+        try:
+            ingest.feed("opus", part, seq, 100.0, end=seq == len(parts))
+        except MediaDecodeError as exc:
+            errors.append(exc)
+    assert len(errors) == 1 and errors[0].recoverable
+    texts = [c.text for c in engine.sessions[sid].chunks]
+    assert texts and heard([Transcript(texts[-1], 0, 0, True, 1)], SECOND) >= 0.8
