@@ -126,7 +126,7 @@ def jpeg_frame(rng: random.Random, sid: str, seq: int, ts: float) -> bytes | Non
         import io
         import struct
 
-        import av  # noqa: F401
+        import av  # noqa: F401  (the media path the frame goes to)
         from PIL import Image
     except ImportError:
         return None
@@ -218,10 +218,15 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
     stats = Stats()
     rng = random.Random(seed)
     try:
-        # warm-up: one short session, so allocator pools and lazy imports are in the baseline
-        await session_life(url, Stats(), time.monotonic() + 3, random.Random(seed + 99), -1, media, max_tokens)
+        # warm-up: the same load for a while (a quarter of the run, 5-30 s), so lazy imports,
+        # allocator pools and caches of every shape in use are in the baseline; growth after
+        # that is what the service kept
+        warm_until = time.monotonic() + min(30.0, max(5.0, minutes * 15))
+        await asyncio.gather(*(session_life(url, Stats(), warm_until, random.Random(seed + 99 + i), i, media,
+                                            max_tokens) for i in range(sessions)))
         release_memory()
         baseline = rss_mb()
+        blocks0 = sys.getallocatedblocks()
         stats.started = time.monotonic()
         stop = asyncio.Event()
         mem_task = asyncio.get_running_loop().create_task(sampler(stats, stop))
@@ -236,11 +241,17 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
             await asyncio.sleep(0.1)
         release_memory()
         final = rss_mb()
+        blocks = sys.getallocatedblocks() - blocks0
         live_sessions = engine.snapshot_stats()["sessions"]
         from streamer.server import Connection
         from streamer.sessions.session import Session
 
-        leftovers = sum(type(o) in (Session, Connection) for o in gc.get_objects())
+        for _ in range(50):  # connection tasks finish their cleanup just after the last close
+            leftovers = sum(type(o) in (Session, Connection) for o in gc.get_objects())
+            if not leftovers:
+                break
+            await asyncio.sleep(0.1)
+            gc.collect()
     finally:
         await server.stop()
         engine.stop()
@@ -259,7 +270,8 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
         "p99_by_kind": {k: round(p99([s for _, kk, s in stats.latencies if kk == k]), 3) for k in sorted(stats.ops)},
         "ops": dict(stats.ops), "baseline_mb": round(baseline, 1), "peak_mb": round(max(m for _, m in stats.memory), 1),
         "final_mb": round(final, 1), "mem_growth_mb": round(final - baseline, 1), "windows": windows,
-        "sessions_left": live_sessions, "objects_left": leftovers,
+        "sessions_left": live_sessions, "objects_left": leftovers, "py_blocks_growth": blocks,
+        "rss_growth_second_half_mb": _half_growth(stats.memory),
     }
     if report:
         report(f"{'t (s)':>7} {'ops':>6} {'p99 (s)':>8} {'rss (MB)':>9}")
@@ -268,10 +280,20 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
         report(f"ops: {result['ops']}")
         report(f"p99 by kind (s): {result['p99_by_kind']}")
         report(f"memory: baseline {result['baseline_mb']} MB, peak {result['peak_mb']} MB, after close "
-               f"{result['final_mb']} MB; sessions left {live_sessions}, session/connection objects left {leftovers}")
+               f"{result['final_mb']} MB (growth {result['mem_growth_mb']} MB, of it {result['rss_growth_second_half_mb']} "
+               f"MB in the second half of the run); Python heap blocks {blocks:+d}; sessions left {live_sessions}, "
+               f"session/connection objects left {leftovers}")
         for e in result["error_samples"]:
             report(f"error: {e}")
     return result
+
+
+def _half_growth(memory: list[tuple[float, float]]) -> float | None:
+    """RSS growth over the second half of the run: a leak keeps its slope, a cache flattens."""
+    if len(memory) < 4:
+        return None
+    half = memory[len(memory) // 2:]
+    return round(half[-1][1] - half[0][1], 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ class MediaStream:
         self.backlog: list[asyncio.Future] = []
 
     def close(self) -> None:
+        self.ingest.closing = True  # now, not after the queued pieces: their failures are expected
         self.executor.submit(self.ingest.close)
         self.executor.shutdown(wait=False)
 
@@ -94,6 +95,8 @@ class MediaHub:
             exc = f.exception()
             if exc is None:
                 on_done(f.result())
+            elif stream.ingest.closing:  # the session closed behind this frame: nothing to report
+                return
             elif isinstance(exc, EngineError):
                 self.send_error(cmd, exc)
             else:
