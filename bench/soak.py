@@ -194,7 +194,10 @@ async def sampler(stats: Stats, stop: asyncio.Event) -> None:
 
 
 async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int = 0, media: bool = True,
-               window_s: float = 10.0, report=print) -> dict:
+               window_s: float = 10.0, report=print, kv_budget_mb: int = 512) -> dict:
+    """The KV pool is one preallocated tensor whose pages the OS maps as blocks are first used,
+    so RSS climbs towards the pool size as sessions come and go; a fixed budget (512 MiB by
+    default) keeps that climb bounded and visible instead of spread over half the memory."""
     from streamer.server import ServerConfig, StreamerServer
     from streamer.sessions.engine import Engine, EngineLimits
     from streamer.sessions.runner import ModelRunner
@@ -212,7 +215,8 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
         lm = load_model(model)
         max_tokens = 16
     engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name),
-                    EngineLimits(max_context_tokens=2048, max_sessions=max(64, 2 * sessions))).start()
+                    EngineLimits(max_context_tokens=2048, max_sessions=max(64, 2 * sessions),
+                                 kv_budget_bytes=kv_budget_mb << 20)).start()
     server = await StreamerServer(engine, ServerConfig(port=0)).start()
     url = f"ws://127.0.0.1:{server.port}"
     stats = Stats()
@@ -302,12 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--model", default="embedded", help="'embedded' (default) or 'tiny' (random weights)")
     parser.add_argument("--no-media", action="store_true", help="text only")
+    parser.add_argument("--kv-budget-mb", type=int, default=512, help="KV pool size (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    r = asyncio.run(soak(args.sessions, args.minutes, args.model, args.seed, media=not args.no_media))
+    r = asyncio.run(soak(args.sessions, args.minutes, args.model, args.seed, media=not args.no_media,
+                         kv_budget_mb=args.kv_budget_mb))
     print(f"RESULT sessions={r['sessions']} minutes={r['minutes']} errors={r['errors']} p99_s={r['p99_s']} "
           f"mem_growth_mb={r['mem_growth_mb']}")
     return 1 if r["errors"] else 0
