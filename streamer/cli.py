@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-_NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys", "store_url", "worker_id",
-               "public_url", "media"}
+# Settings, not limits: --limit does not take them and docs/limits.md need not list them.
+NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys", "store_url", "worker_id",
+              "public_url", "media"}
 
 
 def apply_limits(items: list[str], config, limits):
@@ -134,7 +135,7 @@ def apply_limits(items: list[str], config, limits):
 
     targets = {"protocol": config.protocol, "server": config, "engine": limits}
     fields = {f.name: (where, f) for where, obj in targets.items() for f in dataclasses.fields(obj)
-              if f.name not in _NOT_LIMITS}
+              if f.name not in NOT_LIMITS}
     if "help" in items:
         for name, (where, _) in sorted(fields.items()):
             print(f"{name} = {getattr(targets[where], name)!r}  ({where})")

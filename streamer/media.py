@@ -45,7 +45,6 @@ class MediaStream:
         self.backlog: list[asyncio.Future] = []
 
     def close(self) -> None:
-        self.ingest.closing = True  # now, not after the queued pieces: their failures are expected
         self.executor.submit(self.ingest.close)
         self.executor.shutdown(wait=False)
 
@@ -95,7 +94,7 @@ class MediaHub:
             exc = f.exception()
             if exc is None:
                 on_done(f.result())
-            elif stream.ingest.closing:  # the session closed behind this frame: nothing to report
+            elif self.streams.get((sid, group)) is not stream:  # the session closed behind this frame
                 return
             elif isinstance(exc, EngineError):
                 self.send_error(cmd, exc)
@@ -115,6 +114,8 @@ class MediaHub:
 
     def _open(self, sid: str, group: str, cmd: Command):
         def emit(event: str, payload: dict) -> None:
+            if event == "error" and (sid, group) not in self.streams:
+                return  # the session closed behind this work: its failure is expected, not news
             self.send_event(event, sid, payload)
 
         if group == "video":

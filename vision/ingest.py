@@ -88,7 +88,6 @@ class VideoIngest:
         self._idle = threading.Condition()
         self._busy = False
         self._closed = False
-        self.closing = False  # set at once when the session closes: in-flight work is discarded quietly
         self._worker = threading.Thread(target=self._encode_loop, name=f"encode-{session_id}", daemon=True)
         self._worker.start()
 
@@ -214,9 +213,6 @@ class VideoIngest:
         self.emit("media.observation", payload)
 
     def _error(self, exc: BaseException) -> None:
-        if self.closing:  # the producer closed the session: what was still in flight is dropped
-            log.debug("session %s closed: dropping in-flight media work (%s)", self.session_id, exc)
-            return
         code = getattr(exc, "code", "media_error")
         self.emit("error", {"error": {"code": code, "message": str(exc) or type(exc).__name__,
                                       "recoverable": getattr(exc, "recoverable", True)}})
@@ -264,7 +260,6 @@ class AudioIngest:
         self.last_seq = -1
         self.pieces = self.bytes = self.transcripts = self.errors = 0
         self._closed = False
-        self.closing = False  # set at once when the session closes: in-flight work is discarded quietly
 
     def feed(self, fmt: str, payload: bytes, seq: int, ts: float, sample_rate: int | None = None,
              channels: int | None = None, end: bool = False) -> dict:
@@ -317,8 +312,6 @@ class AudioIngest:
             result = self.sink.apply(transcript)
         except Exception as exc:  # an engine error on one transcript; the stream goes on
             self.errors += 1
-            if self.closing:  # the producer closed the session: in-flight transcripts are dropped
-                return
             self.emit("error", {"error": {"code": getattr(exc, "code", "media_error"), "message": str(exc),
                                           "recoverable": getattr(exc, "recoverable", True)}})
             return
