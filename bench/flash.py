@@ -30,7 +30,8 @@ from streamer.clients.client import StreamerClient  # noqa: E402
 from streamer.server import ServerConfig, StreamerServer  # noqa: E402
 from streamer.sessions.engine import Engine, EngineLimits  # noqa: E402
 from streamer.sessions.flash import FlashJob, FlashQuestion  # noqa: E402
-from streamer.sessions.jobs import QueryJob, drive  # noqa: E402
+from streamer.sessions.jobs import drive  # noqa: E402
+from streamer.sessions.query import QueryJob  # noqa: E402
 from streamer.sessions.models import load_model  # noqa: E402
 from streamer.sessions.runner import ModelRunner  # noqa: E402
 from streamer.sessions.sampling import SamplingParams  # noqa: E402

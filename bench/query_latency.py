@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from baselines import stateless_answer  # noqa: E402
 
 from streamer.sessions.engine import Engine, EngineLimits  # noqa: E402
-from streamer.sessions.jobs import PrefillJob, QueryJob, drive  # noqa: E402
+from streamer.sessions.jobs import PrefillJob, drive
+from streamer.sessions.query import QueryJob  # noqa: E402
 from streamer.sessions.models import load_model  # noqa: E402
 from streamer.sessions.runner import ModelRunner, SeqStep  # noqa: E402
 from streamer.sessions.sampling import SamplingParams  # noqa: E402

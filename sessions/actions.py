@@ -26,7 +26,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .errors import InvalidRequest
+from .errors import EngineError, InvalidRequest, SessionNotFound
+from .flash import normalize
+from .session import json_object
 
 log = logging.getLogger(__name__)
 
@@ -340,3 +342,95 @@ class FlashRule:
             self.last_fired = now
             self.fired += 1
         return fire
+
+
+def fire_rules(session, flash_id: str, answer) -> None:
+    """A flash answer changed: each rule on that question that now matches emits its command."""
+    now = time.monotonic()
+    for rule in list(session.rules.values()):
+        if rule.flash_id == flash_id and rule.observe(normalize(answer.text), now):
+            session.notify("action.command", {"rule_id": rule.rule_id, "flash_id": flash_id, "command": rule.command,
+                                              "answer": answer.text, "data_version": answer.data_version,
+                                              "fired": rule.fired})
+
+
+# ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
+
+
+def add_rule(core, session_id: str, flash_id: str, pattern: str, command: dict, debounce_s: float = 0.0,
+             rule_id: str | None = None) -> dict:
+    """When flash question `flash_id`'s answer changes to match `pattern`, the session's
+    listeners get an `action.command` event with `command`, once per change."""
+    session = core.live(session_id)
+    if flash_id not in session.flash:
+        raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code="flash_not_found")
+    session.next_rule_id += 1
+    rid = rule_id or f"r{session.next_rule_id}"
+    if rid in session.rules:
+        raise InvalidRequest(f"rule id {rid!r} is already in use")
+    if len(session.rules) >= core.limits.max_flash_per_session:
+        raise EngineError(f"session {session_id} already has {len(session.rules)} rules (the limit)",
+                          code="rule_limit")
+    rule = FlashRule(rid, flash_id, pattern, command, debounce_s)
+    answer = session.flash[flash_id].answer
+    if answer is not None:  # a rule starts from the present answer: only changes fire
+        rule.matched = bool(rule.regex.search(normalize(answer.text)))
+    session.rules[rid] = rule
+    return {"rule_id": rid, "flash_id": flash_id, "pattern": pattern, "matched": rule.matched}
+
+
+def remove_rule(core, session_id: str, rule_id: str) -> dict:
+    session = core.live(session_id)
+    if session.rules.pop(rule_id, None) is None:
+        raise EngineError(f"no rule {rule_id!r} on session {session_id}", code="rule_not_found")
+    return {"rule_id": rule_id}
+
+
+def start_actions(core, session_id: str, policy: str = "tracker", mode: str = "async_rollforward",
+                  dt: float = 0.05, **options) -> dict:
+    """Run an action policy for the session in its own thread; chunks go to the session's
+    listeners as `action.chunk`. JSON inputs are its observations; robot state comes through
+    `robot_state`."""
+    session = core.live(session_id)
+    if session.actions is not None:
+        raise InvalidRequest(f"session {session_id} already runs an action policy")
+    factory = POLICIES.get(policy)
+    if factory is None:
+        raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
+    if not 0.001 <= dt <= 10:
+        raise InvalidRequest(f"dt must be in [0.001, 10] seconds, got {dt}")
+    try:
+        instance = factory(dt=dt, **options)
+    except TypeError as exc:
+        raise InvalidRequest(f"bad options for policy {policy!r}: {exc}") from None
+    latency = getattr(instance, "latency_s", (0.0, 0.0))
+    controller = AsyncController(instance, dt, mode, expected_latency_s=sum(latency) / 2 or dt)
+    loop = ActionLoop(session_id, controller, lambda chunk: session.notify("action.chunk", chunk.public()))
+    for chunk in reversed(session.chunks):  # the newest observation already in the log
+        observation = json_object(chunk.text)
+        if observation is not None:
+            loop.observe(observation, chunk.ts)
+            break
+    session.actions = loop.start()
+    return session.state()["actions"]
+
+
+def stop_actions(core, session_id: str) -> dict:
+    session = core.live(session_id)
+    if session.actions is None:
+        raise InvalidRequest(f"session {session_id} runs no action policy")
+    loop, session.actions = session.actions, None
+    loop.stop(wait=False)  # a slow policy must not hold up the engine thread
+    return {"last_seq": loop.controller.seq}
+
+
+def robot_state(sessions: dict, session_id: str, state: list[float], ts: float | None = None) -> None:
+    """Thread-safe and immediate (robot state arrives at control rate): raises SessionNotFound,
+    InvalidRequest (no policy running, or a malformed state)."""
+    session = sessions.get(session_id)
+    if session is None:
+        raise SessionNotFound(f"no session {session_id!r}")
+    loop = session.actions
+    if loop is None:
+        raise InvalidRequest(f"session {session_id} runs no action policy", code="invalid_robot_state")
+    loop.robot_state(state, time.time() if ts is None else ts)

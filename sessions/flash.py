@@ -13,7 +13,9 @@ a revise, which rewrites the prefix, cancels it.
 
 from __future__ import annotations
 
+import logging
 import re
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,10 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import EngineError, InvalidRequest
-from .jobs import Job, Priority
+from .jobs import Job, Lanes, Priority
 from .kvcache import KVCache
 from .runner import SeqStep
 from .session import Session
+
+log = logging.getLogger(__name__)
 
 
 def normalize(text: str) -> str:
@@ -125,6 +129,9 @@ class FlashJob(Job):
     """One evaluation of several flash questions of a session, batched."""
 
     priority = Priority.FLASH
+    kind = "flash"
+    beside = True
+    background = True
 
     def __init__(self, session: Session, questions: list[FlashQuestion], stop_ids: frozenset[int]) -> None:
         super().__init__(session)
@@ -153,6 +160,14 @@ class FlashJob(Job):
         self.results: list[tuple[FlashQuestion, FlashAnswer]] = []
         if not self.forks:
             self.done = True
+
+    @property
+    def reads_notes(self) -> bool:
+        return True  # its forks may read the thinking cache for as long as it runs
+
+    def want(self) -> int:
+        return sum(len(f.q.question_ids) - f.fed if f.fed < len(f.q.question_ids) else 1
+                   for f in self.forks if not f.done)
 
     def plan(self, budget: int) -> list[SeqStep]:
         s = self.session
@@ -201,6 +216,31 @@ class FlashJob(Job):
                 f.done = True
                 f.finish_reason = "length" if limit == f.q.max_tokens else "context_window"
 
+    def finish(self, core, exc: BaseException | None = None) -> None:
+        """Each answer passes its question's hysteresis; changed answers go to the session's
+        listeners as `flash.updated` (and fire the rules on them)."""
+        from .actions import fire_rules
+
+        session = self.session
+        if exc is not None:
+            log.error("flash evaluation on session %s failed: %s", session.id, exc)
+            for f in self.forks:  # do not retry the same data in a loop
+                f.q.evaluated_version = max(f.q.evaluated_version, self.version)
+            return
+        if self.cancelled:
+            core.stats.flash_cancelled += 1
+            return
+        for q in self.skipped:  # no room to answer at this length: not retried until the data changes
+            q.evaluated_version = max(q.evaluated_version, self.version)
+        for q, answer in self.results:
+            if session.flash.get(q.flash_id) is not q:
+                continue  # unregistered while it ran
+            core.stats.flash_questions_evaluated += 1
+            if q.observe(answer):
+                core.stats.flash_pushed += 1
+                session.notify("flash.updated", {"flash_id": q.flash_id, "question": q.question, **answer.public()})
+                fire_rules(session, q.flash_id, answer)
+
     def _finish(self) -> None:
         now, wall = time.monotonic(), time.time()
         tok = self.session.tokenizer
@@ -238,3 +278,85 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
     session.next_flash_id += 1
     return FlashQuestion(fid, question, session.question_ids(question), max_tokens, priority,
                          min_interval_s, confirm)
+
+
+def next_evaluation(session: Session, lanes: Lanes, stop_ids: frozenset[int], thinking_due: bool) -> FlashJob | None:
+    """One batched evaluation of the session's due questions (their last evaluation is older
+    than the data and their interval), when the session is idle: no input waiting, no reasoning
+    unit running or due (a higher class, and a unit may drop notes a flash fork would read)."""
+    sid = session.id
+    if lanes.running(sid, "flash") or not session.flash or session.pending_tokens:
+        return None
+    if session.cache.parked is not None or lanes.running(sid, "think") or thinking_due:
+        return None
+    if lanes.input_waiting(sid):
+        return None
+    now = time.monotonic()
+    due = [q for q in session.flash.values() if q.due(session.data_version, now)]
+    return FlashJob(session, due, stop_ids) if due else None
+
+
+def next_due_s(session: Session) -> float | None:
+    """Seconds until a question waiting on its min interval becomes due (None: none waits)."""
+    if session.cache.parked is not None:
+        return None  # evaluated when it comes back
+    now, soonest = time.monotonic(), None
+    for q in session.flash.values():
+        if q.evaluated_version < session.data_version:
+            wait = max(0.0, q.last_eval_at + q.min_interval_s - now)
+            soonest = wait if soonest is None else min(soonest, wait)
+    return soonest
+
+
+def cached_answer(session: Session, question: str, params, query_id: str | None):
+    """A query that asks a registered question whose answer is current needs no model: its
+    QueryResult, or None."""
+    from .query import QueryResult
+
+    if params.temperature != 0 or params.stop or session.pending_tokens:
+        return None
+    key = normalize(question)
+    for q in session.flash.values():
+        a = q.answer
+        if normalize(q.question) != key or a is None or a.data_version != session.data_version:
+            continue
+        complete = params.max_tokens == q.max_tokens or (a.finish_reason == "stop" and len(a.tokens) < params.max_tokens)
+        if not complete:
+            return None
+        session.queries_answered += 1
+        return QueryResult(session.id, query_id or secrets.token_hex(6), a.text, list(a.tokens), a.finish_reason,
+                           a.data_version, session.cache.length, len(q.question_ids), 0.0, 0.0, 0.0, 0.0,
+                           cached=True)
+    return None
+
+
+# ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
+
+
+def register(core, session_id: str, question: str, flash_id: str | None = None, max_tokens: int = 32,
+             priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1) -> dict:
+    """Register a flash question; returns its state. It is evaluated in idle time after every
+    data update, and `flash.updated` goes to the session's listeners on a change."""
+    session = core.live(session_id)
+    q = new_question(core, session, question, flash_id, max_tokens, priority, min_interval_s, confirm)
+    session.flash[q.flash_id] = q
+    return q.state(session.data_version)
+
+
+def new_question(core, session: Session, question: str, flash_id: str | None = None, max_tokens: int = 32,
+                 priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1) -> FlashQuestion:
+    limits = core.limits
+    q = validate_registration(session, question, flash_id, max_tokens, priority, min_interval_s,
+                              confirm, limits.max_flash_per_session, limits.max_answer_tokens)
+    if len(q.question_ids) > limits.max_question_tokens:
+        raise InvalidRequest(f"question of {len(q.question_ids)} tokens exceeds the limit of "
+                             f"{limits.max_question_tokens} tokens", code="question_too_long")
+    return q
+
+
+def unregister(core, session_id: str, flash_id: str) -> dict:
+    session = core.live(session_id)
+    q = session.flash.pop(flash_id, None)
+    if q is None:
+        raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code="flash_not_found")
+    return q.state(session.data_version)

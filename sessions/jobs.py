@@ -1,23 +1,35 @@
-"""Units of model work. A job says what tokens it wants to run next (`plan`) and takes the
-logits after the forward (`complete`); the engine packs the plans of many jobs into one
-forward. Jobs of one session run in submission order; across sessions, by priority.
+"""Units of model work, the lanes they wait in, and the input commands that make them.
+
+A job says how many tokens it could use next (`want`, no side effects), what it runs with the
+tokens it is given (`plan`) and what it does with the logits (`complete`), until `done`; then
+`finish` says what finishing means (resolve the caller's future, push answers, ...). The engine
+packs the plans of many jobs into one forward.
+
+Every job runs in a *lane* of its session. `beside = False`: the session's FIFO, in submission
+order (appends, revises, questions: each may depend on everything before it). `beside = True`:
+next to the FIFO, one job per kind (flash evaluations and dual-mode reasoning units: they never
+write the reading cache, so they need not wait for input). A job's own flags state its rules:
+`writes_input` (flash waits while such a job is queued), `reads_notes` (a dual reasoning unit
+waits while such a job runs), `joins` (an append that finishes in a step takes the next append of
+its FIFO into the same step), `background` (idle-time work, never aged above questions).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
 from enum import IntEnum
 
 import torch
 
-from .errors import ContextOverflow
-from .kvcache import KVCache
+from .errors import ContextOverflow, InputEnded, InvalidRequest, SessionClosed
+from .futures import settle
 from .runner import SeqStep
-from .sampling import Sampler, SamplingParams
 from .session import AppendResult, Session
+
+UNBOUNDED = 1 << 30  # `want` of a job that can use any budget (it learns its size when it starts)
 
 
 class Priority(IntEnum):
@@ -31,17 +43,38 @@ class Priority(IntEnum):
 
 
 class Job:
-    """Base: `plan` -> forward -> `complete`, until `done`. Most jobs run one sequence a step
-    (`plan_one`/`complete_one`); a job may run several (`plan`/`complete_many`)."""
+    """Base: `want` -> `plan` -> forward -> `complete`, until `done`; then `finish`. Most jobs run
+    one sequence a step (`plan_one`/`complete_one`); a job may run several (`plan`/`complete_many`)."""
 
     priority: Priority = Priority.INGEST
+    kind = "job"
+    beside = False  # runs beside the session's FIFO instead of in it
+    background = False  # idle-time work: aging never lifts it above interactive work
+    writes_input = False  # changes what the reading cache holds (input is waiting while it is queued)
+    joins = False  # the next FIFO job of the same kind may run right after it in the same step
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.done = False
-        self.submitted_at = time.monotonic()
-        self.order = 0  # arrival order, set by the engine: FIFO within a priority
+        self.submitted_at = self.waiting_since = time.monotonic()
+        self.order = 0  # arrival order, set by the lanes: FIFO within a priority
+        self.future: Future | None = None  # set when submitted on behalf of a caller
         self._planned = 0
+
+    @property
+    def can_join(self) -> bool:
+        """Whether it may be written right after the FIFO job in front of it, in one step."""
+        return False
+
+    @property
+    def reads_notes(self) -> bool:
+        """Whether it is reading the session's thinking notes now (a reasoning unit, which may
+        drop old notes, waits until no job does)."""
+        return False
+
+    def want(self) -> int:
+        """Tokens it could run in the next step (0: it finishes without a forward)."""
+        return UNBOUNDED
 
     def plan(self, budget: int) -> list[SeqStep]:
         step = self.plan_one(budget)
@@ -62,10 +95,104 @@ class Job:
     def result(self):
         return None
 
+    def finish(self, core, exc: BaseException | None = None) -> None:
+        """What finishing means; the default resolves the caller's future. `core` is the engine
+        core (its `stats`, its sessions); `exc` is why the job failed, if it did."""
+        if exc is not None and not self.done:
+            self.abort()
+        if self.future is not None:
+            settle(self.future, exc=exc) if exc is not None else settle(self.future, self.result())
+
+
+class Lanes:
+    """Each session's FIFO and the jobs running beside it. Only the engine thread uses it."""
+
+    def __init__(self) -> None:
+        self.fifo: dict[str, deque[Job]] = {}
+        self.side: dict[str, dict[str, Job]] = {}
+        self._order = 0
+
+    def open(self, session_id: str) -> None:
+        self.fifo[session_id] = deque()
+        self.side[session_id] = {}
+
+    def submit(self, job: Job) -> Job:
+        self._order += 1
+        job.order = self._order
+        sid = job.session.id
+        if job.beside:
+            self.side[sid][job.kind] = job
+        else:
+            self.fifo[sid].append(job)
+        return job
+
+    def remove(self, job: Job) -> None:
+        sid = job.session.id
+        if job.beside:
+            if self.side.get(sid, {}).get(job.kind) is job:
+                del self.side[sid][job.kind]
+            return
+        queue = self.fifo.get(sid)
+        if queue and queue[0] is job:
+            queue.popleft()
+        elif queue and job in queue:  # a follower that failed while planned beside its head
+            queue.remove(job)
+
+    def close(self, session_id: str) -> list[Job]:
+        """Forget a session's lanes; returns the jobs that were waiting or running."""
+        return list(self.fifo.pop(session_id, ())) + list(self.side.pop(session_id, {}).values())
+
+    def heads(self) -> Iterator[Job]:
+        """Every job that may run now: each FIFO's head and every job beside a FIFO."""
+        for queue in self.fifo.values():
+            if queue:
+                yield queue[0]
+        for side in self.side.values():
+            yield from side.values()
+
+    def followers(self, job: Job) -> list[Job]:
+        """FIFO jobs right behind `job` that may join it in one step (appends behind an append)."""
+        queue = self.fifo.get(job.session.id, ())
+        out = []
+        for nxt in list(queue)[1:]:
+            if not (job.joins and nxt.joins and nxt.can_join):
+                break
+            out.append(nxt)
+        return out
+
+    def running(self, session_id: str, kind: str) -> bool:
+        return kind in self.side.get(session_id, {})
+
+    def busy(self, session_id: str) -> bool:
+        return bool(self.fifo.get(session_id)) or bool(self.side.get(session_id))
+
+    def input_waiting(self, session_id: str) -> bool:
+        return any(job.writes_input for job in self.fifo.get(session_id, ()))
+
+    def notes_read(self, session_id: str) -> bool:
+        jobs = list(self.fifo.get(session_id, ())) + list(self.side.get(session_id, {}).values())
+        return any(job.reads_notes for job in jobs)
+
+    def queued(self) -> int:
+        return sum(len(q) for q in self.fifo.values())
+
+    def counts(self) -> dict[str, int]:
+        """Queued and running jobs by priority class, for metrics."""
+        out: dict[str, int] = {}
+        for job in [j for q in list(self.fifo.values()) for j in list(q)] + \
+                   [j for s in list(self.side.values()) for j in list(s.values())]:
+            name = job.priority.name.lower()
+            out[name] = out.get(name, 0) + 1
+        return out
+
 
 class PrefillJob(Job):
     """Commit tokens to the session cache, at most `budget` per step (chunked prefill, so a
     long append never blocks other sessions' decoding for long)."""
+
+    kind = "prefill"
+    writes_input = True
+    joins = True
 
     def __init__(self, session: Session, tokens: list[int], text: str | None, cache=None) -> None:
         super().__init__(session)
@@ -73,36 +200,51 @@ class PrefillJob(Job):
         self.text = text  # None for the framing prefix, which is not an input
         self.cache = session.cache if cache is None else cache  # or a shared prefix being filled
         self.pos = 0
+        self.ran = 0  # tokens run through the model
         self.start: int | None = 0 if cache is not None else None
         self.chunk = None
         self.counted = cache is None  # a shared prefix fill does not add to the session's tokens
         if self.counted:
             session.pending_tokens += len(tokens)
 
-    def begin(self) -> None:
-        """Runs once, when the job first reaches the head of its session's queue."""
-        self.start = self.cache.length
+    @property
+    def can_join(self) -> bool:
+        """Not started yet, so it can be written right after the job in front of it."""
+        return self.start is None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def want(self) -> int:
+        return len(self.tokens) - self.pos
+
+    def begin(self, after: "PrefillJob | None" = None) -> None:
+        """Runs once, when the job first reaches the head of its session's queue (or joins the
+        job `after` it in one step: then it is written right after that one's tokens)."""
+        self.start = self.cache.length if after is None else after.end
 
     def plan_one(self, budget: int) -> SeqStep | None:
         if self.start is None:
             self.begin()
         n = min(budget, len(self.tokens) - self.pos)
         if n <= 0:  # nothing to run (an empty revise): finish without a forward
-            self.finish()
+            self.finish_input()
             return None
         self._planned = n
         return SeqStep(self.cache, self.start + self.pos, self.tokens[self.pos:self.pos + n])
 
     def complete_one(self, logits: torch.Tensor) -> None:
         self.pos += self._planned
+        self.ran += self._planned
         self.cache.commit(self.start + self.pos)
         if self.counted:
             self.session.pending_tokens -= self._planned
         self.session.last_logits = logits
         if self.pos >= len(self.tokens):
-            self.finish()
+            self.finish_input()
 
-    def finish(self) -> None:
+    def finish_input(self) -> None:
         if self.text is not None:
             self.chunk = self.session.record(self.text, self.start, self.tokens)
         self.done = True
@@ -118,11 +260,19 @@ class PrefillJob(Job):
         return AppendResult(s.id, self.chunk.seq, len(self.tokens), s.cache.length, s.data_version,
                             time.monotonic() - self.submitted_at)
 
+    def finish(self, core, exc: BaseException | None = None) -> None:
+        if exc is None and self.text is not None:
+            core.stats.tokens_ingested += self.ran
+        super().finish(core, exc)
+
 
 class ReviseJob(PrefillJob):
     """Replace the tail of the input (chunks from `from_seq` on, default the last one) with new
     text: crop the cache to the longest common token prefix of old and new tail, prefill the
     rest. The tail is resolved when the job runs, after every input queued before it."""
+
+    kind = "revise"
+    joins = False
 
     def __init__(self, session: Session, text: str, from_seq: int | None) -> None:
         super().__init__(session, session.tokenize(text), text)
@@ -130,7 +280,7 @@ class ReviseJob(PrefillJob):
         self.kept = 0
         self.replaced: list[int] = []
 
-    def begin(self) -> None:
+    def begin(self, after: PrefillJob | None = None) -> None:
         s = self.session
         first = s.tail_from(self.from_seq)
         tail = s.chunks[first:]
@@ -157,7 +307,7 @@ class ReviseJob(PrefillJob):
         self.start, self.pos = base, self.kept
         s.pending_tokens -= self.kept
 
-    def finish(self) -> None:
+    def finish_input(self) -> None:
         s = self.session
         if self.tokens:
             self.chunk = s.record(self.text, self.start, self.tokens)
@@ -173,161 +323,52 @@ class ReviseJob(PrefillJob):
                             time.monotonic() - self.submitted_at, self.kept, self.replaced)
 
 
-@dataclass(slots=True)
-class QueryResult:
-    session_id: str
-    query_id: str
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    data_version: int
-    context_tokens: int
-    question_tokens: int
-    queue_s: float
-    prefill_s: float
-    first_token_s: float
-    total_s: float
-    cached: bool = False  # answered from a current flash answer, without running the model
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        decode = self.total_s - self.first_token_s
-        return (len(self.tokens) - 1) / decode if len(self.tokens) > 1 and decode > 0 else 0.0
+# ---- the input commands (run on the engine thread; `core` is the EngineCore) ----------------
 
 
-class QueryJob(Job):
-    """A question as a fork: its tokens are written past the session's committed length and
-    never committed, so the session is unchanged when it ends (no copy, no crop)."""
+def append(core, session_id: str, text: str) -> Future:
+    """Resolves to an AppendResult once the text's tokens are in the cache. The text is
+    tokenized on its own (never with earlier text); a bounded session makes room first."""
+    from .window import check_window_room, SlideJob
 
-    priority = Priority.QUERY
+    session = core.writable(session_id)
+    tokens = session.tokenize(text)
+    if not tokens:
+        raise InvalidRequest("text is empty")
+    if session.window is None:
+        session.check_room(len(tokens))
+    elif check_window_room(session, session.window, len(tokens)):
+        core.submit(SlideJob(session, session.window))
+    return core.submit(PrefillJob(session, tokens, text))
 
-    def __init__(self, session: Session, query_id: str, question: str, params: SamplingParams,
-                 stop_ids: frozenset[int], on_delta: Callable[[str], None] | None = None,
-                 cancelled: threading.Event | None = None) -> None:
-        super().__init__(session)
-        self.query_id = query_id
-        self.question_ids = session.question_ids(question)
-        self.params = params
-        self.sampler = Sampler(params)
-        self.stop_ids = stop_ids
-        self.on_delta = on_delta
-        self.cancelled = cancelled or threading.Event()
-        self.base: int | None = None
-        self.fed = 0  # fork tokens already in the cache (question + generated)
-        self.generated: list[int] = []
-        self.text = ""
-        self.finish_reason = ""
-        self.started_at = self.first_token_at = self.prefilled_at = self.done_at = 0.0
-        self.data_version = 0
-        self.max_new = params.max_tokens
-        self.own: KVCache | None = None  # dual thinking: the fork's tokens live here
-        self.prefixes: tuple = ()
-        self.pos0 = 0
 
-    def begin(self) -> None:
-        s = self.session
-        self.base = s.cache.length
-        self.data_version = s.data_version
-        self.started_at = time.monotonic()
-        thinking = s.thinking
-        self.pos0 = self.base
-        if thinking is not None and thinking.cache is not None and thinking.cache.length:
-            # Dual thinking: the question sees the reading cache and the notes, and its
-            # positions come after both streams.
-            self.prefixes = ((s.cache, self.base), (thinking.cache, thinking.cache.length))
-            self.pos0 = max(self.base, thinking.last_position + 1)
-        room = s.context_window - self.pos0 - len(self.question_ids)
-        if room < 1:
-            raise ContextOverflow(
-                f"question of {len(self.question_ids)} tokens on {self.base} tokens of context leaves "
-                f"no room to answer; the context window is {s.context_window} tokens")
-        self.max_new = min(self.params.max_tokens, room)
-        if self.prefixes:
-            self.own = s.runner.new_cache(len(self.question_ids) + self.max_new)
-        else:
-            s.cache.reserve(self.base + len(self.question_ids) + self.max_new)
+def revise(core, session_id: str, text: str, from_seq: int | None = None) -> Future:
+    """Replace the input from `from_seq` on (default: the last input); resolves to an AppendResult."""
+    return core.submit(ReviseJob(core.writable(session_id), text, from_seq))
 
-    def plan_one(self, budget: int) -> SeqStep | None:
-        if self.base is None:
-            self.begin()
-        if self.cancelled.is_set():
-            self._finish("cancelled")
-            return None
-        q = len(self.question_ids)
-        if self.fed < q:
-            n = min(budget, q - self.fed)
-            tokens = self.question_ids[self.fed:self.fed + n]
-        else:
-            n, tokens = 1, self.generated[-1:]
-        self._planned = n
-        if self.own is not None:
-            return SeqStep(self.own, self.fed, tokens, prefixes=self.prefixes, pos0=self.pos0)
-        return SeqStep(self.session.cache, self.base + self.fed, tokens)
 
-    def complete_one(self, logits: torch.Tensor) -> None:
-        self.fed += self._planned
-        if self.own is not None:
-            self.own.commit(self.fed)
-        if self.fed < len(self.question_ids):
-            return  # more question tokens to prefill
-        now = time.monotonic()
-        if not self.generated:
-            self.prefilled_at = now
-        token = self.sampler(logits)
-        if token in self.stop_ids:
-            self._finish("stop")
-            return
-        self.generated.append(token)
-        if len(self.generated) == 1:
-            self.first_token_at = now
-        self._emit_text()
-        if self.done:
-            return
-        if len(self.generated) >= self.max_new:
-            self._finish("length" if self.max_new == self.params.max_tokens else "context_window")
+def end_input(core, session_id: str) -> dict:
+    """No more input. With thinking on, a final deliberation continues the notes."""
+    session = core.writable(session_id)
+    session.ended = True
+    state = session.thinking
+    if state is not None and state.config.mode != "off" and state.config.final_tokens:
+        state.final_requested = True
+    return session.state()
 
-    def _emit_text(self) -> None:
-        text = self.session.tokenizer.decode(self.generated, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
-        for stop in self.params.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                self._push(text[:cut])
-                self._finish("stop_string")
-                return
-        self._push(text)
 
-    def _push(self, text: str) -> None:
-        if len(text) > len(self.text) and text.startswith(self.text):
-            delta, self.text = text[len(self.text):], text
-            if self.on_delta is not None:
-                self.on_delta(delta)
-        elif text != self.text:  # detokenization changed earlier text (rare): resend nothing
-            self.text = text
+def writable(session: Session) -> Session:
+    if session.ended:
+        raise InputEnded(f"session {session.id} got input.end; it takes no more input")
+    return session
 
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        self.done_at = time.monotonic()
-        self.done = True
-        self.session.queries_answered += 1
 
-    def result(self) -> QueryResult:
-        started = self.started_at or self.done_at
-        return QueryResult(
-            session_id=self.session.id, query_id=self.query_id, text=self.text,
-            tokens=list(self.generated), finish_reason=self.finish_reason,
-            data_version=self.data_version, context_tokens=self.base or 0,
-            question_tokens=len(self.question_ids),
-            queue_s=started - self.submitted_at,
-            prefill_s=(self.prefilled_at or self.done_at) - started,
-            first_token_s=(self.first_token_at or self.done_at) - self.submitted_at,
-            total_s=self.done_at - self.submitted_at,
-        )
+def closed_error(session_id: str) -> SessionClosed:
+    return SessionClosed(f"session {session_id} was closed")
 
 
 def drive(runner, job: Job, budget: int = 512):
-    """Run one job to completion on the calling thread (tests, benchmarks, replay)."""
+    """Run one job to completion on the calling thread (tests, benchmarks)."""
     while not job.done:
         steps = job.plan(budget)
         if steps:

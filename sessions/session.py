@@ -194,3 +194,18 @@ class Session:
                 listener(event, payload)
             except Exception:  # a broken subscriber never breaks the session
                 self.log.exception("listener failed on %s", event)
+
+
+# ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
+
+
+def add_listener(core, session_id: str, listener) -> None:
+    """`listener(event_type, payload)` is called on the engine thread for session events
+    (`flash.updated`, `reasoning.*`, `action.*`); it must not block."""
+    core.live(session_id).listeners.append(listener)
+
+
+def remove_listener(core, session_id: str, listener) -> None:
+    session = core.sessions.get(session_id)
+    if session is not None and listener in session.listeners:
+        session.listeners.remove(listener)

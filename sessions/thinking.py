@@ -21,16 +21,19 @@ the notes. Questions in dual mode see reading + thinking, so the answer builds o
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidRequest
-from .jobs import Job, Priority
+from .errors import EngineError, InvalidRequest
+from .jobs import UNBOUNDED, Job, Lanes, Priority
 from .kvcache import KVCache
 from .runner import SeqStep
 from .session import Session
+
+log = logging.getLogger(__name__)
 
 MODES = ("off", "interleaved", "dual")
 STOPS = ("sentence", "newline", "budget")
@@ -131,6 +134,44 @@ def configure(session: Session, config: ThinkingConfig) -> None:
         state.config = config
 
 
+def configure_command(core, session_id: str, settings: dict) -> dict:
+    """Set or change the session's thinking mode and settings (ThinkingConfig fields); returns
+    the session state."""
+    session = core.live(session_id)
+    if session.window is not None and settings.get("mode", "off") != "off":
+        raise InvalidRequest(f"session {session_id} has a text window; thinking needs an unbounded cache")
+    configure(session, parse_config(settings))
+    return session.state()
+
+
+def parse_config(settings: dict) -> ThinkingConfig:
+    try:
+        return ThinkingConfig(**settings)
+    except TypeError as exc:
+        raise InvalidRequest(f"bad thinking settings: {exc}") from None
+
+
+def next_unit(session: Session, lanes: Lanes, stop_ids: frozenset[int]) -> "ThinkJob | None":
+    """The reasoning unit to start now, if one is due. Dual units run beside the session's
+    queue (they only append to the thinking cache) but never while a question or flash fork is
+    reading the notes, since a unit may drop old ones; interleaved units write the reading
+    cache, so they queue behind the session's other work and start only when it is empty."""
+    if lanes.running(session.id, "think") or session.cache.parked is not None or not due(session):
+        return None
+    if session.thinking.config.mode != "dual":
+        return None if lanes.fifo.get(session.id) else ThinkJob(session, stop_ids)
+    if lanes.notes_read(session.id):
+        return None
+    job = ThinkJob(session, stop_ids)
+    try:
+        job.begin()  # now, while no fork reads the notes: it may drop old ones
+    except EngineError as exc:
+        session.log.warning("reasoning unit skipped: %s", exc)
+        session.thinking.seen_tokens = session.cache.length
+        return None
+    return job
+
+
 def due(session: Session) -> bool:
     """Whether a new unit should start now: enough new input since the last one, or the final
     deliberation after input.end."""
@@ -152,6 +193,8 @@ class ThinkJob(Job):
     reading cache and so runs in the session's queue."""
 
     priority = Priority.THINKING
+    kind = "think"
+    background = True
 
     def __init__(self, session: Session, stop_ids: frozenset[int]) -> None:
         super().__init__(session)
@@ -160,6 +203,8 @@ class ThinkJob(Job):
         self.config = state.config
         self.stop_ids = stop_ids
         self.dual = self.config.mode == "dual"
+        self.beside = self.dual  # dual units only write the thinking cache: they run beside the FIFO
+        self.writes_input = not self.dual  # interleaved notes go into the reading cache
         self.final = state.final_requested and not state.final_done
         self.budget = self.config.final_tokens if self.final else self.config.unit_tokens
         self.epoch = session.crop_epoch
@@ -186,6 +231,15 @@ class ThinkJob(Job):
         self.unit = Unit(len(state.units) + state.dropped_units, (first, last), visible, start, start,
                          final=self.final, started_at=time.monotonic())
         state.seen_tokens, state.seen_seq = visible, last
+
+    def want(self) -> int:
+        return UNBOUNDED if self.unit is None else len(self.to_feed)
+
+    def finish(self, core, exc: BaseException | None = None) -> None:
+        if exc is not None:
+            log.error("reasoning unit on session %s failed: %s", self.session.id, exc)
+            self.state.seen_tokens = self.session.cache.length  # no retry loop on the same input
+        super().finish(core, exc)
 
     def _make_room(self, need: int) -> None:
         """Dual: drop the oldest units (never the first, which holds the header) until `need`

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ContextOverflow, InvalidRequest
-from .jobs import PrefillJob
+from .jobs import UNBOUNDED, PrefillJob
 from .session import Session
 
 
@@ -79,11 +79,17 @@ def check_window_room(session: Session, window: TextWindow, new_tokens: int) -> 
 class SlideJob(PrefillJob):
     """Drop the oldest inputs after the sinks and re-prefill the rest right after them."""
 
+    kind = "slide"
+    joins = False
+
     def __init__(self, session: Session, window: TextWindow) -> None:
         super().__init__(session, [], None)
         self.window = window
 
-    def begin(self) -> None:
+    def want(self) -> int:
+        return UNBOUNDED if self.start is None else super().want()
+
+    def begin(self, after=None) -> None:
         s, w = self.session, self.window
         first = min(w.sink_inputs, len(s.chunks))
         target = min(w.keep_tokens, w.max_tokens - s.pending_tokens)
@@ -115,5 +121,14 @@ class SlideJob(PrefillJob):
         s.log.info("window slide: dropped %d inputs (%d tokens), re-prefilling %d", len(dropped),
                    sum(len(c.tokens) for c in dropped), len(self.tokens))
 
-    def finish(self) -> None:
+    def finish_input(self) -> None:
         self.done = True
+
+
+def configure(core, session_id: str, max_tokens: int, keep_tokens: int = 0, sink_inputs: int = 1) -> dict:
+    """Bound the session's reading cache: sinks + recent inputs. Returns the session state."""
+    session = core.live(session_id)
+    set_window(session, max_tokens, keep_tokens, sink_inputs)
+    if session.cache.length + session.pending_tokens > max_tokens:
+        core.submit(SlideJob(session, session.window))
+    return session.state()

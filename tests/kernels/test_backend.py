@@ -1,16 +1,15 @@
 """Backend selection, and the engine with the Triton backend (interpreted on the CPU) against
 the reference: near-identical logits step by step, identical greedy answers end to end."""
 
-import time
 
 import pytest
 import torch
+from helpers import Sync, driven
 from streamer.kernels.backend import ENV_VAR, BackendUnavailable, resolve_backend
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.pool import BlockPool, PagedCache
 from streamer.sessions.runner import ModelRunner, SeqStep
 from streamer.sessions.sampling import SamplingParams
-from streamer.sessions.thinking import due
 
 CHUNKS = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold comes on Tuesdays. ",
           "A storm broke the burner on March 16. "]
@@ -86,52 +85,39 @@ def test_runner_logits_match_across_backends(tokenizer):
         assert torch.equal(t.argmax(-1), r.argmax(-1))
 
 
-def wait_idle(engine, sid, timeout=120):
-    deadline = time.monotonic() + timeout
-    while True:
-        s = engine.sessions[sid]
-        flash_due = any(q.evaluated_version < s.data_version for q in s.flash.values())
-        if not (sid in engine._think or sid in engine._flash or engine._queues[sid] or flash_due
-                or (s.thinking and due(s))):
-            return s
-        assert time.monotonic() < deadline, "engine did not go idle"
-        time.sleep(0.01)
-
-
 def engine_answers(engine):
     """Append, query, flash questions and dual thinking through the engine; everything that
     depends on the attention: answers, flash answers, notes, and the caches."""
     out = {"answers": []}
-    plain = engine.create_session(SYSTEM).result()["session_id"]
-    dual = engine.create_session(SYSTEM, thinking={"mode": "dual", "unit_tokens": 5, "stop": "budget"}).result()
-    dual = dual["session_id"]
-    engine.register_flash(plain, "Who keeps the light?", max_tokens=5).result()
-    engine.register_flash(plain, "What is the cat called?", max_tokens=5).result()
+    sync = Sync(engine)
+    plain = sync.create_session(SYSTEM)["session_id"]
+    dual = sync.create_session(SYSTEM, thinking={"mode": "dual", "unit_tokens": 5, "stop": "budget"})["session_id"]
+    sync.register_flash(plain, "Who keeps the light?", max_tokens=5)
+    sync.register_flash(plain, "What is the cat called?", max_tokens=5)
     for chunk in CHUNKS:  # both sessions' work packs into shared steps; each waits for its notes
         for sid in (plain, dual):
-            engine.append(sid, chunk).result()
-        for sid in (plain, dual):
-            wait_idle(engine, sid)
+            engine.append(sid, chunk)
+        engine.run_until_idle()
     handles = [engine.query(sid, "What broke in the storm?", SamplingParams(max_tokens=6)) for sid in (plain, dual)]
+    engine.run_until_idle()
     for sid, handle in zip((plain, dual), handles):
-        out["answers"].append((handle.future.result().tokens, engine.sessions[sid].cache.snapshot()))
+        out["answers"].append((handle.future.result(0).tokens, engine.sessions[sid].cache.snapshot()))
     out["flash"] = [q.answer.tokens for q in engine.sessions[plain].flash.values()]
     out["notes"] = [u.text for u in engine.sessions[dual].thinking.units]
     out["thinking_cache"] = engine.sessions[dual].thinking.cache.snapshot()
-    out["state"] = engine.session_state(plain).result()
+    out["state"] = sync.session_state(plain)
     out["metrics"] = engine.metrics()
     return out
 
 
-def test_engine_answers_are_unchanged_when_the_backend_switches(tokenizer, engine_factory):
+def test_engine_answers_are_unchanged_when_the_backend_switches(tokenizer):
     from streamer.metrics import render
 
     results = {}
     for backend in ("reference", "triton"):
-        engine = engine_factory(runner_with(tokenizer, "reference"), attention_backend=backend)
+        engine = driven(runner_with(tokenizer, "reference"), attention_backend=backend)
         results[backend] = engine_answers(engine)
         assert engine.runner.attention_backend == backend
-        engine.stop()
     ref, tri = results["reference"], results["triton"]
     assert len(ref["notes"]) == len(CHUNKS) and ref["notes"] == tri["notes"]
     assert ref["flash"] == tri["flash"] and all(ref["flash"])
@@ -146,10 +132,10 @@ def test_engine_answers_are_unchanged_when_the_backend_switches(tokenizer, engin
         assert f'streamer_attention_backend{{backend="{backend}"}} 1' in render(r["metrics"], 0)
 
 
-def test_engine_refuses_an_unknown_backend(tiny, engine_factory):
+def test_engine_refuses_an_unknown_backend(tiny):
     runner, _ = tiny
     with pytest.raises(ValueError, match="attention backend must be one of"):
-        engine_factory(runner, attention_backend="fastest")
+        driven(runner, attention_backend="fastest")
     assert runner.attention_backend == "reference"
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from streamer.sessions.jobs import PrefillJob, QueryJob, ReviseJob, drive
+from streamer.sessions.jobs import PrefillJob, ReviseJob, drive
+from streamer.sessions.query import QueryJob
 from streamer.sessions.sampling import SamplingParams
 from streamer.sessions.session import Session
 

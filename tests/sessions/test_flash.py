@@ -4,10 +4,12 @@ hysteresis, stale evaluations never mislabelled, limits."""
 import time
 
 import pytest
+from helpers import Sync, driven, result, wait_until
 
 from streamer.sessions.errors import EngineError
 from streamer.sessions.flash import FlashAnswer, FlashJob, FlashQuestion, normalize
-from streamer.sessions.jobs import PrefillJob, QueryJob, drive
+from streamer.sessions.jobs import PrefillJob, drive
+from streamer.sessions.query import QueryJob
 from streamer.sessions.sampling import SamplingParams
 from streamer.sessions.session import Session
 
@@ -105,146 +107,150 @@ def test_push_only_on_change_and_hysteresis():
 
 def collect(engine, sid):
     updates = []
-    engine.add_listener(sid, lambda event, payload: updates.append((event, payload))).result()
+    Sync(engine).add_listener(sid, lambda event, payload: updates.append((event, payload)))
     return updates
 
 
-def wait_for(pred, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def test_engine_evaluates_after_updates_and_answers_from_cache(tiny, engine_factory):
+def test_engine_evaluates_after_updates_and_answers_from_cache(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner)
-    sid = engine.create_session().result()["session_id"]
+    engine = driven(runner)
+    sync = Sync(engine)
+    sid = sync.create_session()["session_id"]
     updates = collect(engine, sid)
-    state = engine.register_flash(sid, QUESTIONS[0], max_tokens=10).result()
+    state = sync.register_flash(sid, QUESTIONS[0], max_tokens=10)
     assert state["flash_id"] == "f1"
-    wait_for(lambda: len(updates) == 1)  # evaluated on the (empty) data at once
-    engine.append(sid, TEXT[0]).result()
-    wait_for(lambda: engine.stats.flash_questions_evaluated >= 2)
+    engine.run_until_idle()
+    assert len(updates) == 1  # evaluated on the (empty) data at once
+    sync.append(sid, TEXT[0])
+    assert engine.stats.flash_questions_evaluated == 2
     session = engine.sessions[sid]
     q = session.flash["f1"]
     assert q.answer.data_version == 1
     # asking the registered question returns the cached, current answer without the model
-    result = engine.query(sid, QUESTIONS[0].upper(), SamplingParams(max_tokens=10)).future.result()
-    assert result.cached and result.text == q.answer.text and result.data_version == 1
-    assert result.tokens == on_demand(runner, session, QUESTIONS[0], 10).tokens
+    steps = engine.stats.steps
+    cached = result(engine, engine.query(sid, QUESTIONS[0].upper(), SamplingParams(max_tokens=10)))
+    assert cached.cached and cached.text == q.answer.text and cached.data_version == 1
+    assert engine.stats.steps == steps  # no model step
+    assert cached.tokens == on_demand(runner, session, QUESTIONS[0], 10).tokens
     # a different max_tokens (when the answer was cut by length) or sampling is not served from cache
     if q.answer.finish_reason == "length":
-        assert not engine.query(sid, QUESTIONS[0], SamplingParams(max_tokens=11)).future.result().cached
-    assert not engine.query(sid, QUESTIONS[0], SamplingParams(max_tokens=10, temperature=0.5)).future.result().cached
+        assert not result(engine, engine.query(sid, QUESTIONS[0], SamplingParams(max_tokens=11))).cached
+    assert not result(engine, engine.query(sid, QUESTIONS[0], SamplingParams(max_tokens=10, temperature=0.5))).cached
     # revising to the same text bumps the version but not the answer: no push
     pushed = engine.stats.flash_pushed
-    engine.revise(sid, TEXT[0]).result()
-    wait_for(lambda: q.evaluated_version == 2)
+    sync.revise(sid, TEXT[0])
+    assert q.evaluated_version == 2
     assert engine.stats.flash_pushed == pushed
-    state = engine.session_state(sid).result()["flash"][0]
+    state = sync.session_state(sid)["flash"][0]
     assert state["data_version"] == 2 and state["staleness"]["versions"] == 0 and state["history"]
 
 
-def test_stale_evaluations_are_labelled_with_the_data_they_saw(tiny, engine_factory):
+def test_stale_evaluations_are_labelled_with_the_data_they_saw(tiny):
     """Data pushed while an evaluation runs never yields an answer labelled with the newer
-    version: every pushed answer equals the on-demand answer on the data of its version."""
+    version: every evaluation (pushed or not) equals a fresh evaluation on the data of the
+    version it is labelled with, confidence included (which depends on every context token)."""
     runner, _ = tiny
-    engine = engine_factory(runner, step_tokens=6)  # slow evaluations: many steps each
-    sid = engine.create_session().result()["session_id"]
+    engine = driven(runner, step_tokens=6)  # slow evaluations: many steps each
+    sync = Sync(engine)
+    sid = sync.create_session()["session_id"]
     seen = []
-    engine.add_listener(sid, lambda event, payload: seen.append(payload)).result()
-    engine.register_flash(sid, QUESTIONS[1], max_tokens=12).result()
-    engine.register_flash(sid, QUESTIONS[2], max_tokens=12).result()
-    for chunk in TEXT * 2:
-        engine.append(sid, chunk)
-        time.sleep(0.005)
-    engine.append(sid, "End. ").result()
+    sync.add_listener(sid, lambda event, payload: seen.append(payload))
+    sync.register_flash(sid, QUESTIONS[1], max_tokens=12)
+    sync.register_flash(sid, QUESTIONS[2], max_tokens=12)
     session = engine.sessions[sid]
-    deadline = time.time() + 60
-    while any(q.evaluated_version < session.data_version for q in session.flash.values()):
-        assert time.time() < deadline
-        time.sleep(0.02)
-    evaluated = [(q, q.history) for q in session.flash.values()]
+    lanes = engine.core.lanes
+    for chunk in TEXT * 2:  # each chunk lands while an evaluation of the data before it runs
+        acked = engine.append(sid, chunk)
+        while not (acked.done() and lanes.running(sid, "flash") and lanes.side[sid]["flash"].version == session.data_version):
+            assert engine.step()
+        for _ in range(3):
+            engine.step()
+    sync.append(sid, "End. ")
+    assert all(q.evaluated_version == session.data_version for q in session.flash.values())
     chunks = [c.text for c in session.chunks]
-    versions = {p["data_version"] for p in seen}
-    assert max(versions) == session.data_version
+    for q in session.flash.values():
+        versions = [v for v, _, _, _ in q.history]
+        assert len(set(versions)) > 3 and versions[-1] == session.data_version
+        for version, gap, prob, _ in q.history:
+            reference = build(runner, chunks[:version])
+            fresh = run_flash(runner, reference, [flash_question(reference, q.question, max_tokens=12)])["f"]
+            assert abs(gap - fresh.logit_gap) < 1e-3 and abs(prob - fresh.mean_prob) < 1e-4, (q.question, version)
     for payload in seen:
         reference = build(runner, chunks[:payload["data_version"]])
-        expected = on_demand(runner, reference, payload["question"], 12)
-        assert payload["answer"] == expected.text, payload
-    assert evaluated
+        assert payload["answer"] == on_demand(runner, reference, payload["question"], 12).text, payload
 
 
-def test_revise_cancels_a_running_evaluation(tiny, engine_factory):
+def test_revise_cancels_a_running_evaluation(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner, step_tokens=4)
-    sid = engine.create_session().result()["session_id"]
-    engine.append(sid, TEXT[0] + TEXT[1]).result()
+    engine = driven(runner, step_tokens=4)
+    sync = Sync(engine)
+    sid = sync.create_session()["session_id"]
+    sync.append(sid, TEXT[0] + TEXT[1])
     seen = []
-    engine.add_listener(sid, lambda e, p: seen.append(p)).result()
-    engine.register_flash(sid, QUESTIONS[0], max_tokens=30).result()
-    wait_for(lambda: sid in engine._flash and engine._flash[sid].forks[0].fed > 0)  # mid-evaluation
-    engine.revise(sid, "The keeper is Owen Pike. ").result()
+    sync.add_listener(sid, lambda e, p: seen.append(p))
+    engine.register_flash(sid, QUESTIONS[0], max_tokens=30).result(0)
+    while not engine.core.lanes.running(sid, "flash"):
+        assert engine.step()
+    engine.step()
+    evaluation = engine.core.lanes.side[sid]["flash"]
+    assert evaluation.forks[0].fed > 0 and not evaluation.done  # mid-evaluation
+    sync.revise(sid, "The keeper is Owen Pike. ")
     session = engine.sessions[sid]
-    deadline = time.time() + 60
-    while session.flash["f1"].evaluated_version < session.data_version:
-        assert time.time() < deadline
-        time.sleep(0.02)
+    assert session.flash["f1"].evaluated_version == session.data_version
     reference = build(runner, [c.text for c in session.chunks])
-    final = [p for p in seen if p["data_version"] == session.data_version]
     expected = on_demand(runner, reference, QUESTIONS[0], 30).text
     assert session.flash["f1"].answer.text == expected
     assert engine.stats.flash_cancelled == 1
-    assert all(p["data_version"] == 2 for p in seen)  # the evaluation of version 1 never landed
-    assert final or session.flash["f1"].answer.text == seen[-1]["answer"]
+    assert [p["data_version"] for p in seen] == [2]  # the evaluation of version 1 never landed
+    assert seen[-1]["answer"] == expected
 
 
-def test_registration_limits_and_unregister(tiny, engine_factory):
+def test_registration_limits_and_unregister(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner, max_flash_per_session=2, max_answer_tokens=64)
-    sid = engine.create_session().result()["session_id"]
-    engine.register_flash(sid, "Who?", flash_id="a").result()
+    engine = driven(runner, max_flash_per_session=2, max_answer_tokens=64)
+    sync = Sync(engine)
+    sid = sync.create_session()["session_id"]
+    sync.register_flash(sid, "Who?", flash_id="a")
     with pytest.raises(EngineError) as exc:
-        engine.register_flash(sid, " who ").result()
+        sync.register_flash(sid, " who ")
     assert exc.value.code == "flash_duplicate" and "'a'" in str(exc.value)
     with pytest.raises(EngineError) as exc:
-        engine.register_flash(sid, "Other?", flash_id="a").result()
+        sync.register_flash(sid, "Other?", flash_id="a")
     assert exc.value.code == "flash_duplicate"
     for bad, match in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 65}, "max_tokens"),
                        ({"confirm": 0}, "confirm"), ({"min_interval_s": -1}, "min_interval")]:
         with pytest.raises(EngineError, match=match):
-            engine.register_flash(sid, "Where?", **bad).result()
+            sync.register_flash(sid, "Where?", **bad)
     with pytest.raises(EngineError, match="empty"):
-        engine.register_flash(sid, "   ").result()
-    engine.register_flash(sid, "What?", flash_id="b").result()
+        sync.register_flash(sid, "   ")
+    sync.register_flash(sid, "What?", flash_id="b")
     with pytest.raises(EngineError) as exc:
-        engine.register_flash(sid, "When?").result()
+        sync.register_flash(sid, "When?")
     assert exc.value.code == "flash_limit" and "2 flash questions" in str(exc.value)
-    engine.unregister_flash(sid, "a").result()
-    engine.unregister_flash(sid, "b").result()
+    sync.unregister_flash(sid, "a")
+    sync.unregister_flash(sid, "b")
     with pytest.raises(EngineError) as exc:
-        engine.unregister_flash(sid, "b").result()
+        sync.unregister_flash(sid, "b")
     assert exc.value.code == "flash_not_found"
     evaluated = engine.stats.flash_questions_evaluated
-    engine.append(sid, "New data. ").result()
-    time.sleep(0.3)
+    sync.append(sid, "New data. ")
     assert engine.stats.flash_questions_evaluated == evaluated  # nothing registered, nothing evaluated
+    assert engine.stats.flash_evaluations == 2 and not engine.step()  # one per registration, none since
 
 
-def test_min_interval_spaces_evaluations(tiny, engine_factory):
+def test_min_interval_spaces_evaluations(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner)
-    sid = engine.create_session().result()["session_id"]
-    engine.register_flash(sid, QUESTIONS[0], max_tokens=4, min_interval_s=0.5).result()
+    engine = driven(runner)
+    sync = Sync(engine)
+    sid = sync.create_session()["session_id"]
+    sync.register_flash(sid, QUESTIONS[0], max_tokens=4, min_interval_s=0.5)
     q = engine.sessions[sid].flash["f1"]
-    deadline = time.time() + 30
-    while q.evaluations < 1:
-        assert time.time() < deadline
-        time.sleep(0.01)
+    assert q.evaluations == 1
     first = q.last_eval_at
-    engine.append(sid, "x ").result()
-    while q.evaluations < 2:
-        assert time.time() < deadline
-        time.sleep(0.01)
-    assert q.last_eval_at - first >= 0.5
+    sync.append(sid, "x ")
+    assert q.evaluations == 1  # due only after its interval
+    wait = engine.core.next_wakeup()
+    assert 0 < wait <= 0.5
+    wait_until(lambda: engine.core.next_wakeup() == 0, timeout=5, what="the interval to pass")
+    engine.run_until_idle()
+    assert q.evaluations == 2 and q.last_eval_at - first >= 0.5

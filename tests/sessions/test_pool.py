@@ -1,9 +1,9 @@
 """The paged KV pool: allocator, shared prefixes, parking, admission, and no leaks."""
 
-import time
 
 import pytest
 import torch
+from helpers import Sync, driven, result, wait_until
 
 from streamer.sessions.errors import EngineError
 from streamer.sessions.kvcache import KVShape
@@ -99,32 +99,31 @@ def test_paged_cache_grows_parks_and_restores():
 
 
 def new_session(engine, **kw):
-    return engine.create_session(**kw).result(60)["session_id"]
+    return Sync(engine).create_session(**kw)["session_id"]
 
 
 def ask(engine, sid, question="Who keeps the light?", n=10):
-    return engine.query(sid, question, SamplingParams(max_tokens=n)).future.result(60).tokens
+    return result(engine, engine.query(sid, question, SamplingParams(max_tokens=n))).tokens
 
 
-def test_shared_prefix_saves_pool_bytes_and_changes_no_answer(tiny, engine_factory):
+def test_shared_prefix_saves_pool_bytes_and_changes_no_answer(tiny):
     runner, ref = tiny
     results = {}
     for share in (True, False):
-        engine = engine_factory(runner, share_prefix=share)
+        engine = driven(runner, share_prefix=share)
         sids = [new_session(engine, system_prompt=LONG_PROMPT) for _ in range(4)]
         for i, sid in enumerate(sids):
-            engine.append(sid, f"Ship {i} came in at dawn. ").result()
+            Sync(engine).append(sid, f"Ship {i} came in at dawn. ")
         used = engine.pool.used_bytes()
         results[share] = (used, [ask(engine, sid) for sid in sids], engine.sessions[sids[0]].state())
-        engine.stop()
     (shared_bytes, shared_answers, state), (alone_bytes, alone_answers, _) = results[True], results[False]
     assert shared_answers == alone_answers
     assert shared_bytes < alone_bytes
     assert state["shared_prefix_tokens"] > 0
     # exactness with a shared prefix: the last logits equal one forward over the whole context
-    engine = engine_factory(runner, share_prefix=True)
+    engine = driven(runner, share_prefix=True)
     a, b = new_session(engine, system_prompt=LONG_PROMPT), new_session(engine, system_prompt=LONG_PROMPT)
-    engine.append(b, "Second session text. ").result()
+    Sync(engine).append(b, "Second session text. ")
     session = engine.sessions[b]
     with torch.inference_mode():
         full = ref(torch.tensor([session.context_ids()])).logits[0, -1].float()
@@ -137,31 +136,31 @@ def test_shared_prefix_saves_pool_bytes_and_changes_no_answer(tiny, engine_facto
 
 
 @pytest.mark.parametrize("to_disk", [False, True])
-def test_parked_then_restored_sessions_answer_the_same(tiny, engine_factory, to_disk, tmp_path, monkeypatch):
+def test_parked_then_restored_sessions_answer_the_same(tiny, to_disk, tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMER_CACHE", str(tmp_path))
-    engine = engine_factory(tiny[0], park_idle_s=0.0, park_to_disk=to_disk)
+    engine = driven(tiny[0], park_idle_s=0.0, park_to_disk=to_disk)
     sid = new_session(engine)
-    engine.append(sid, "The keeper is Ada Morrow and her cat is Pepper. ").result()
+    Sync(engine).append(sid, "The keeper is Ada Morrow and her cat is Pepper. ")
     first = ask(engine, sid)
     free_before = engine.pool.free_blocks()
-    assert engine._call(engine._park_idle).result() == 1
-    assert engine.session_state(sid).result()["parked"] is True
+    assert engine.core.memory.park_idle() == 1
+    assert Sync(engine).session_state(sid)["parked"] is True
     assert engine.pool.free_blocks() > free_before
     if to_disk:
         assert list((tmp_path / "parked").iterdir())
     assert ask(engine, sid) == first  # restored transparently on the next question
-    assert engine.stats.restored == 1 and not engine.session_state(sid).result()["parked"]
-    engine.append(sid, "More. ").result()
-    assert engine.session_state(sid).result()["inputs"] == 2
+    assert engine.stats.restored == 1 and not Sync(engine).session_state(sid)["parked"]
+    Sync(engine).append(sid, "More. ")
+    assert Sync(engine).session_state(sid)["inputs"] == 2
 
 
 def budget_for(runner, tokens, block_size=16):
     return runner.kv_shape.bytes_per_token * block_size * (-(-tokens // block_size))
 
 
-def test_admission_refuses_beyond_the_budget_and_names_it(tiny, engine_factory):
+def test_admission_refuses_beyond_the_budget_and_names_it(tiny):
     runner = tiny[0]
-    engine = engine_factory(runner, kv_budget_bytes=budget_for(runner, 160), share_prefix=False, park_idle_s=60)
+    engine = driven(runner, kv_budget_bytes=budget_for(runner, 160), share_prefix=False, park_idle_s=60)
     sids = []
     with pytest.raises(EngineError) as exc:
         for _ in range(10):
@@ -170,47 +169,49 @@ def test_admission_refuses_beyond_the_budget_and_names_it(tiny, engine_factory):
     assert 1 <= len(sids) < 10 and engine.stats.admissions_refused == 1
     for sid in sids:  # the admitted sessions keep working
         assert ask(engine, sid, n=2)
-    engine.close_session(sids[0]).result()
+    Sync(engine).close_session(sids[0])
     sids[0] = new_session(engine)  # room again
 
 
-def test_admission_queue_admits_when_memory_frees(tiny, engine_factory):
+def test_admission_queue_admits_when_memory_frees(tiny):
     runner = tiny[0]
-    engine = engine_factory(runner, kv_budget_bytes=budget_for(runner, 64), share_prefix=False,
+    engine = driven(runner, kv_budget_bytes=budget_for(runner, 64), share_prefix=False,
                             admission="queue", admission_timeout_s=30, park_idle_s=60)
     first = new_session(engine)
     waiting = engine.create_session()
-    time.sleep(0.2)
-    assert not waiting.done() and engine.stats.admissions_queued == 1
-    engine.close_session(first).result()
-    assert waiting.result(30)["session_id"]
-    engine2 = engine_factory(runner, kv_budget_bytes=budget_for(runner, 64), share_prefix=False,
-                             admission="queue", admission_timeout_s=0.3, park_idle_s=60)
+    engine.run_until_idle()
+    assert not waiting.done() and engine.stats.admissions_queued == 1  # it waits for memory
+    Sync(engine).close_session(first)
+    assert result(engine, waiting)["session_id"]
+    engine2 = driven(runner, kv_budget_bytes=budget_for(runner, 64), share_prefix=False,
+                     admission="queue", admission_timeout_s=0.3, park_idle_s=60)
     new_session(engine2)
+    late = engine2.create_session()
+    wait_until(lambda: engine2.core.next_wakeup() <= 0.001, timeout=5, what="the admission deadline")
     with pytest.raises(EngineError, match="after waiting"):
-        engine2.create_session().result(30)
+        result(engine2, late)
 
 
-def test_pressure_parks_idle_sessions_and_they_come_back(tiny, engine_factory):
+def test_pressure_parks_idle_sessions_and_they_come_back(tiny):
     runner = tiny[0]
-    engine = engine_factory(runner, kv_budget_bytes=budget_for(runner, 240), share_prefix=False, park_idle_s=0.0)
+    engine = driven(runner, kv_budget_bytes=budget_for(runner, 240), share_prefix=False, park_idle_s=0.0)
     a = new_session(engine)
-    engine.append(a, "Alpha " * 40).result()
+    Sync(engine).append(a, "Alpha " * 40)
     answer_a = ask(engine, a)
     b = new_session(engine)
-    engine.append(b, "Beta " * 120).result()  # needs a's blocks: a is parked
+    Sync(engine).append(b, "Beta " * 120)  # needs a's blocks: a is parked
     assert engine.stats.parked >= 1
     assert ask(engine, a) == answer_a
     assert engine.stats.restored >= 1
 
 
-def test_no_leak_over_many_sessions(tiny, engine_factory):
-    engine = engine_factory(tiny[0])
+def test_no_leak_over_many_sessions(tiny):
+    engine = driven(tiny[0])
     total = engine.pool.num_blocks
     for i in range(40):
         sid = new_session(engine, system_prompt=LONG_PROMPT if i % 2 else None)
-        engine.append(sid, f"Session {i} data. " * (i % 5 + 1)).result()
+        Sync(engine).append(sid, f"Session {i} data. " * (i % 5 + 1))
         ask(engine, sid, n=3)
-        engine.close_session(sid).result()
+        Sync(engine).close_session(sid)
     assert engine.pool.free_blocks() == total
     assert not engine.pool.prefixes and not engine.pool.extents

@@ -1,9 +1,8 @@
 """Thinking while reading: the dual-cache scheduler against its invariants."""
 
-import time
-
 import pytest
 import torch
+from helpers import Sync, driven, result
 
 from streamer.sessions.errors import EngineError
 from streamer.sessions.jobs import PrefillJob, drive
@@ -13,18 +12,6 @@ from streamer.sessions.thinking import ThinkingConfig, ThinkJob, configure
 
 CHUNKS = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold comes on Tuesdays. ",
           "A storm broke the burner on March 16. ", "Owen Pike fitted a new burner. "]
-
-
-def wait_idle(engine, sid, timeout=60):
-    deadline = time.monotonic() + timeout
-    while True:
-        s = engine.sessions[sid]
-        busy = sid in engine._think or engine._queues[sid] or (s.thinking and __import__(
-            "streamer.sessions.thinking", fromlist=["due"]).due(s))
-        if not busy:
-            return s
-        assert time.monotonic() < deadline, "engine did not go idle"
-        time.sleep(0.01)
 
 
 def run_unit(runner, session):
@@ -58,33 +45,30 @@ def test_dual_equals_interleaved_when_no_input_arrives(tiny):
     assert inter.chunks[-1].seq == 0 and inter.chunks[-1].tokens[-len(a.generated) - 5:]
 
 
-def test_reading_cache_is_identical_with_thinking_on_and_off(tiny, engine_factory):
+def test_reading_cache_is_identical_with_thinking_on_and_off(tiny):
     runner, _ = tiny
     snapshots = []
     for thinking in (None, {"mode": "dual", "unit_tokens": 8}):
-        engine = engine_factory(runner)
-        sid = engine.create_session(thinking=thinking).result()["session_id"]
+        engine = Sync(driven(runner))
+        sid = engine.create_session(thinking=thinking)["session_id"]
         for chunk in CHUNKS:
-            engine.append(sid, chunk).result()
-            time.sleep(0.02)  # let units run between chunks
-        session = wait_idle(engine, sid)
+            engine.append(sid, chunk)  # and the reasoning unit it makes due
+        session = engine.engine.sessions[sid]
         if thinking:
-            assert len(session.thinking.units) >= 2
+            assert len(session.thinking.units) == len(CHUNKS)
         snapshots.append(session.cache.snapshot())
-        engine.stop()
     assert torch.equal(snapshots[0], snapshots[1])
 
 
-def test_positions_are_monotone_and_units_see_growing_input(tiny, engine_factory):
+def test_positions_are_monotone_and_units_see_growing_input(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner)
+    engine = Sync(driven(runner))
     events = []
-    sid = engine.create_session(thinking={"mode": "dual", "unit_tokens": 6, "stop": "budget"}).result()["session_id"]
-    engine.add_listener(sid, lambda e, p: events.append((e, p))).result()
+    sid = engine.create_session(thinking={"mode": "dual", "unit_tokens": 6, "stop": "budget"})["session_id"]
+    engine.add_listener(sid, lambda e, p: events.append((e, p)))
     for chunk in CHUNKS:
-        engine.append(sid, chunk).result()
-        wait_idle(engine, sid)
-    session = wait_idle(engine, sid)
+        engine.append(sid, chunk)
+    session = engine.engine.sessions[sid]
     units = session.thinking.units
     assert len(units) == len(CHUNKS)
     for u, v in zip(units, units[1:]):
@@ -105,49 +89,49 @@ def test_group_positions_use_their_own_counter(tiny):
     assert job.unit.positions == (3 + header, 3 + header + 4)
 
 
-def test_questions_and_revise_leave_the_thinking_cache_alone(tiny, engine_factory):
+def test_questions_and_revise_leave_the_thinking_cache_alone(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner)
-    sid = engine.create_session(thinking={"mode": "dual", "unit_tokens": 6}).result()["session_id"]
+    engine = Sync(driven(runner))
+    sid = engine.create_session(thinking={"mode": "dual", "unit_tokens": 6})["session_id"]
     for chunk in CHUNKS[:3]:
-        engine.append(sid, chunk).result()
-    session = wait_idle(engine, sid)
+        engine.append(sid, chunk)
+    session = engine.engine.sessions[sid]
     before, reading = session.thinking.cache.snapshot(), session.cache.snapshot()
-    answer = engine.query(sid, "Who keeps the light?", SamplingParams(max_tokens=6)).future.result()
+    answer = result(engine.engine, engine.engine.query(sid, "Who keeps the light?", SamplingParams(max_tokens=6)))
     assert answer.context_tokens == session.cache.length and len(answer.tokens) >= 1
     assert torch.equal(session.thinking.cache.snapshot(), before)
     assert torch.equal(session.cache.snapshot(), reading)
-    engine.revise(sid, "The boat Heron").result()  # shorter than what the notes saw: no new unit
-    session = wait_idle(engine, sid)
+    units = len(session.thinking.units)
+    engine.revise(sid, "The boat Heron")  # shorter than what the notes saw: no new unit
+    assert len(session.thinking.units) == units
     assert torch.equal(session.thinking.cache.snapshot()[:, :, :, :before.shape[3]], before)
 
 
-def test_end_of_input_runs_a_final_deliberation(tiny, engine_factory):
+def test_end_of_input_runs_a_final_deliberation(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner)
+    engine = Sync(driven(runner))
     sid = engine.create_session(thinking={"mode": "dual", "unit_tokens": 4, "final_tokens": 10,
-                                          "stop": "budget", "question": "Who keeps the light?"}).result()
+                                          "stop": "budget", "question": "Who keeps the light?"})
     sid = sid["session_id"]
-    engine.append(sid, CHUNKS[0]).result()
-    engine.end_input(sid).result()
-    session = wait_idle(engine, sid)
+    engine.append(sid, CHUNKS[0])
+    engine.end_input(sid)
+    session = engine.engine.sessions[sid]
     final = [u for u in session.thinking.units if u.final]
     assert len(final) == 1 and final[0].end - final[0].start == 11  # "\n" + 10 tokens
     assert session.state()["thinking"]["final_done"]
 
 
-def test_thinking_cache_is_bounded(tiny, engine_factory):
+def test_thinking_cache_is_bounded(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner)
+    engine = Sync(driven(runner))
     sid = engine.create_session(thinking={"mode": "dual", "unit_tokens": 16, "stop": "budget",
-                                          "max_tokens": 80}).result()["session_id"]
+                                          "max_tokens": 80})["session_id"]
     for i in range(12):
-        engine.append(sid, f"Fact {i}. ").result()
-        wait_idle(engine, sid)
-    session = wait_idle(engine, sid)
+        engine.append(sid, f"Fact {i}. ")
+    session = engine.engine.sessions[sid]
     assert session.thinking.dropped_units > 0
     assert session.thinking.cache.length <= session.thinking.cache.max_tokens
-    assert engine.query(sid, "Facts?", SamplingParams(max_tokens=3)).future.result().tokens
+    assert result(engine.engine, engine.engine.query(sid, "Facts?", SamplingParams(max_tokens=3))).tokens
 
 
 @pytest.mark.parametrize("settings,match", [
@@ -155,21 +139,21 @@ def test_thinking_cache_is_bounded(tiny, engine_factory):
     ({"mode": "dual", "stop": "never"}, "stop must be"), ({"mode": "dual", "positions": "before"}, "positions"),
     ({"mode": "dual", "max_tokens": 1}, "max_tokens"), ({"mode": "dual", "colour": "red"}, "bad thinking settings"),
 ])
-def test_bad_thinking_settings(tiny, engine_factory, settings, match):
-    engine = engine_factory(tiny[0])
+def test_bad_thinking_settings(tiny, settings, match):
+    engine = Sync(driven(tiny[0]))
     with pytest.raises(EngineError, match=match):
-        engine.create_session(thinking=settings).result()
-    sid = engine.create_session().result()["session_id"]
+        engine.create_session(thinking=settings)
+    sid = engine.create_session()["session_id"]
     with pytest.raises(EngineError, match=match):
-        engine.configure_thinking(sid, settings).result()
-    assert engine.configure_thinking(sid, {"mode": "dual"}).result()["thinking"]["mode"] == "dual"
+        engine.configure_thinking(sid, settings)
+    assert engine.configure_thinking(sid, {"mode": "dual"})["thinking"]["mode"] == "dual"
 
 
-def test_interleaved_sessions_refuse_revise(tiny, engine_factory):
-    engine = engine_factory(tiny[0])
-    sid = engine.create_session(thinking={"mode": "interleaved", "unit_tokens": 4}).result()["session_id"]
-    engine.append(sid, CHUNKS[0]).result()
-    wait_idle(engine, sid)
+def test_interleaved_sessions_refuse_revise(tiny):
+    engine = Sync(driven(tiny[0]))
+    sid = engine.create_session(thinking={"mode": "interleaved", "unit_tokens": 4})["session_id"]
+    engine.append(sid, CHUNKS[0])  # and its reasoning unit, in the reading cache
+    assert engine.engine.sessions[sid].chunks[-1].seq == 0
     with pytest.raises(EngineError, match="interleaved reasoning"):
-        engine.revise(sid, "x").result()
-    assert engine.append(sid, CHUNKS[1]).result().seq == 2
+        engine.revise(sid, "x")
+    assert engine.append(sid, CHUNKS[1]).seq == 2

@@ -3,6 +3,7 @@ fresh session holding the same inputs, and bounded however long the stream runs.
 
 import pytest
 import torch
+from helpers import Sync, driven, result
 
 from streamer.sessions.errors import ContextOverflow, InvalidRequest
 
@@ -15,18 +16,17 @@ def reference_logits(ref, ids):
         return ref(torch.tensor([ids])).logits[0, -1].float()
 
 
-def test_window_stays_bounded_and_equals_a_fresh_session(tiny, engine_factory):
+def test_window_stays_bounded_and_equals_a_fresh_session(tiny):
     runner, ref = tiny
-    engine = engine_factory(runner, step_tokens=64)
-    sid = engine.create_session().result()["session_id"]
-    prefix = engine.session_state(sid).result()["tokens"]
-    state = engine.configure_window(sid, max_tokens=prefix + 200, keep_tokens=prefix + 100, sink_inputs=1).result()
+    engine = Sync(driven(runner, step_tokens=64))
+    sid = engine.create_session()["session_id"]
+    prefix = engine.session_state(sid)["tokens"]
+    state = engine.configure_window(sid, max_tokens=prefix + 200, keep_tokens=prefix + 100, sink_inputs=1)
     assert state["window"]["max_tokens"] == prefix + 200
     peak = 0
     for line in LINES:
-        result = engine.append(sid, line).result()
-        peak = max(peak, result.total_tokens)
-    session = engine.sessions[sid]
+        peak = max(peak, engine.append(sid, line).total_tokens)
+    session = engine.engine.sessions[sid]
     assert peak <= prefix + 200
     window = session.window
     assert window.slides >= 3 and window.dropped_inputs > 0
@@ -42,40 +42,41 @@ def test_window_stays_bounded_and_equals_a_fresh_session(tiny, engine_factory):
     expected = reference_logits(ref, session.context_ids())
     assert (session.last_logits.float() - expected).abs().max().item() <= 1e-4
     # a question answers from the windowed cache
-    answer = engine.query(sid, "What colour?").future.result()
+    answer = result(engine.engine, engine.engine.query(sid, "What colour?"))
     assert answer.context_tokens == session.cache.length
     assert state["window"]["sink_inputs"] == 1
 
 
-def test_window_bounds_a_long_stream_and_its_memory(tiny, engine_factory):
+def test_window_bounds_a_long_stream_and_its_memory(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner, step_tokens=128)
-    sid = engine.create_session().result()["session_id"]
-    prefix = engine.session_state(sid).result()["tokens"]
+    engine = Sync(driven(runner, step_tokens=128))
+    sid = engine.create_session()["session_id"]
+    prefix = engine.session_state(sid)["tokens"]
     bound = prefix + 160
-    engine.configure_window(sid, max_tokens=bound).result()
-    futures = [engine.append(sid, LINES[i % len(LINES)]) for i in range(600)]  # queued faster than read
-    totals = [f.result().total_tokens for f in futures]
-    state = engine.session_state(sid).result()
+    engine.configure_window(sid, max_tokens=bound)
+    futures = [engine.engine.append(sid, LINES[i % len(LINES)]) for i in range(600)]  # queued faster than read
+    engine.engine.run_until_idle()
+    totals = [f.result(0).total_tokens for f in futures]
+    state = engine.session_state(sid)
     assert max(totals) <= bound and state["tokens"] <= bound
-    session = engine.sessions[sid]
+    session = engine.engine.sessions[sid]
     assert session.cache.capacity <= bound + 64  # the cache's own buffer never grew past the bound
     assert len(session.chunks) < 40
     assert state["window"]["dropped_inputs"] == 600 - len(session.chunks)
 
 
-def test_window_refusals(tiny, engine_factory):
+def test_window_refusals(tiny):
     runner, _ = tiny
-    engine = engine_factory(runner)
-    sid = engine.create_session().result()["session_id"]
-    prefix = engine.session_state(sid).result()["tokens"]
+    engine = Sync(driven(runner))
+    sid = engine.create_session()["session_id"]
+    prefix = engine.session_state(sid)["tokens"]
     with pytest.raises(InvalidRequest, match="max_tokens"):
-        engine.configure_window(sid, max_tokens=prefix).result()
+        engine.configure_window(sid, max_tokens=prefix)
     with pytest.raises(InvalidRequest, match="keep_tokens"):
-        engine.configure_window(sid, max_tokens=prefix + 100, keep_tokens=prefix + 101).result()
-    engine.configure_window(sid, max_tokens=prefix + 40).result()
+        engine.configure_window(sid, max_tokens=prefix + 100, keep_tokens=prefix + 101)
+    engine.configure_window(sid, max_tokens=prefix + 40)
     with pytest.raises(ContextOverflow, match="window"):
-        engine.append(sid, "word " * 60).result()
+        engine.append(sid, "word " * 60)
     with pytest.raises(InvalidRequest, match="thinking"):
-        engine.configure_thinking(sid, {"mode": "dual"}).result()
-    assert engine.append(sid, "still fine").result().seq == 1
+        engine.configure_thinking(sid, {"mode": "dual"})
+    assert engine.append(sid, "still fine").seq == 1

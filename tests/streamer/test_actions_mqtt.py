@@ -13,6 +13,7 @@ import pytest
 from wsutil import check_error, next_of, raw
 
 from streamer.server import ServerConfig, StreamerServer
+from streamer.sessions.actions import fire_rules
 from streamer.sessions.flash import FlashAnswer
 
 
@@ -127,7 +128,7 @@ def test_rule_fires_exactly_once_per_answer_change(tiny_engine, broker):
 
         async def push_answers():
             for version, text in enumerate(["No.", "Yes, a person.", "Yes, still.", "No.", "Yes!"], start=10):
-                tiny_engine._call(lambda t=text, v=version: tiny_engine._fire_rules(session, "person", answer(t, v)))
+                tiny_engine.call(lambda t=text, v=version: fire_rules(session, "person", answer(t, v)))
             await asyncio.sleep(0)
 
         commands = await mqtt_messages(broker, f"{prefix}/sessions/{sid}/commands", 2, after=push_answers)

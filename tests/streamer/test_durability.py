@@ -76,7 +76,7 @@ def test_file_log_replays_to_identical_cache_and_answers(tiny_engine, tmp_path):
         await peer.request({"type": "input.text.append", "session_id": sid, "text": "The end.", "client_seq": 5})
         await peer.send({"type": "query.create", "session_id": sid, "question": QUESTION, "max_tokens": 8})
         answer = (await peer.until("query.done"))[-1]["text"]
-        kv = await asyncio.wrap_future(tiny_engine._call(lambda: tiny_engine.sessions[sid].cache.snapshot()))
+        kv = await asyncio.wrap_future(tiny_engine.call(lambda: tiny_engine.sessions[sid].cache.snapshot()))
         return sid, answer, kv
 
     store_dir = tmp_path / "state"
@@ -95,7 +95,7 @@ def test_file_log_replays_to_identical_cache_and_answers(tiny_engine, tmp_path):
     expected_ids = replayed.prefix_ids + [t for text in CHUNKS[:2] + [CHUNKS[3], "The end."]
                                           for t in replayed.tokenize(text)]
     assert replayed.context_ids() == expected_ids
-    replayed_kv = tiny_engine._call(lambda: replayed.cache.snapshot()).result(10)
+    replayed_kv = tiny_engine.call(lambda: replayed.cache.snapshot()).result(10)
     assert replayed_kv.shape == kv.shape
     assert torch.allclose(replayed_kv, kv, atol=1e-5, rtol=0), (replayed_kv - kv).abs().max()
     assert tiny_engine.query("replayed", QUESTION, SamplingParams(max_tokens=8)).future.result(60).text == answer

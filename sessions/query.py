@@ -1,0 +1,230 @@
+"""Questions: a fork over the session's caches that decodes an answer and leaves no trace.
+
+A `QueryJob` writes the framed question and each generated token past the session's committed
+length and never commits them, so the session is unchanged when it ends (no copy, no crop). With
+dual thinking the fork keeps its tokens in a private cache over two read-only ranges (the reading
+cache and the notes) instead.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ContextOverflow, InvalidRequest
+from .jobs import Job, Priority
+from .kvcache import KVCache
+from .runner import SeqStep
+from .sampling import Sampler, SamplingParams
+from .session import Session
+
+
+@dataclass(slots=True)
+class QueryResult:
+    session_id: str
+    query_id: str
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    data_version: int
+    context_tokens: int
+    question_tokens: int
+    queue_s: float
+    prefill_s: float
+    first_token_s: float
+    total_s: float
+    cached: bool = False  # answered from a current flash answer, without running the model
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode = self.total_s - self.first_token_s
+        return (len(self.tokens) - 1) / decode if len(self.tokens) > 1 and decode > 0 else 0.0
+
+
+class QueryHandle:
+    """A running question: `future` resolves to a QueryResult; `cancel()` stops it at its next
+    step (or before it starts), and it then finishes with finish_reason "cancelled"."""
+
+    def __init__(self, future: Future, cancelled: threading.Event) -> None:
+        self.future = future
+        self._cancelled = cancelled
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+
+class QueryJob(Job):
+    """A question as a fork: its tokens are written past the session's committed length and
+    never committed, so the session is unchanged when it ends (no copy, no crop)."""
+
+    priority = Priority.QUERY
+    kind = "query"
+
+    def __init__(self, session: Session, query_id: str, question: str, params: SamplingParams,
+                 stop_ids: frozenset[int], on_delta: Callable[[str], None] | None = None,
+                 cancelled: threading.Event | None = None) -> None:
+        super().__init__(session)
+        self.query_id = query_id
+        self.question_ids = session.question_ids(question)
+        self.params = params
+        self.sampler = Sampler(params)
+        self.stop_ids = stop_ids
+        self.on_delta = on_delta
+        self.cancelled = cancelled or threading.Event()
+        self.base: int | None = None
+        self.fed = 0  # fork tokens already in the cache (question + generated)
+        self.generated: list[int] = []
+        self.text = ""
+        self.finish_reason = ""
+        self.started_at = self.first_token_at = self.prefilled_at = self.done_at = 0.0
+        self.data_version = 0
+        self.max_new = params.max_tokens
+        self.own: KVCache | None = None  # dual thinking: the fork's tokens live here
+        self.prefixes: tuple = ()
+        self.pos0 = 0
+
+    @property
+    def reads_notes(self) -> bool:
+        return self.base is not None and bool(self.prefixes)
+
+    def want(self) -> int:
+        """Its whole question, then one token per step."""
+        q = len(self.question_ids)
+        return q - self.fed if self.fed < q else 1
+
+    def begin(self) -> None:
+        s = self.session
+        self.base = s.cache.length
+        self.data_version = s.data_version
+        self.started_at = time.monotonic()
+        thinking = s.thinking
+        self.pos0 = self.base
+        if thinking is not None and thinking.cache is not None and thinking.cache.length:
+            # Dual thinking: the question sees the reading cache and the notes, and its
+            # positions come after both streams.
+            self.prefixes = ((s.cache, self.base), (thinking.cache, thinking.cache.length))
+            self.pos0 = max(self.base, thinking.last_position + 1)
+        room = s.context_window - self.pos0 - len(self.question_ids)
+        if room < 1:
+            raise ContextOverflow(
+                f"question of {len(self.question_ids)} tokens on {self.base} tokens of context leaves "
+                f"no room to answer; the context window is {s.context_window} tokens")
+        self.max_new = min(self.params.max_tokens, room)
+        if self.prefixes:
+            self.own = s.runner.new_cache(len(self.question_ids) + self.max_new)
+        else:
+            s.cache.reserve(self.base + len(self.question_ids) + self.max_new)
+
+    def plan_one(self, budget: int) -> SeqStep | None:
+        if self.base is None:
+            self.begin()
+        if self.cancelled.is_set():
+            self._finish("cancelled")
+            return None
+        q = len(self.question_ids)
+        if self.fed < q:
+            n = min(budget, q - self.fed)
+            tokens = self.question_ids[self.fed:self.fed + n]
+        else:
+            n, tokens = 1, self.generated[-1:]
+        self._planned = n
+        if self.own is not None:
+            return SeqStep(self.own, self.fed, tokens, prefixes=self.prefixes, pos0=self.pos0)
+        return SeqStep(self.session.cache, self.base + self.fed, tokens)
+
+    def complete_one(self, logits: torch.Tensor) -> None:
+        self.fed += self._planned
+        if self.own is not None:
+            self.own.commit(self.fed)
+        if self.fed < len(self.question_ids):
+            return  # more question tokens to prefill
+        now = time.monotonic()
+        if not self.generated:
+            self.prefilled_at = now
+        token = self.sampler(logits)
+        if token in self.stop_ids:
+            self._finish("stop")
+            return
+        self.generated.append(token)
+        if len(self.generated) == 1:
+            self.first_token_at = now
+        self._emit_text()
+        if self.done:
+            return
+        if len(self.generated) >= self.max_new:
+            self._finish("length" if self.max_new == self.params.max_tokens else "context_window")
+
+    def _emit_text(self) -> None:
+        text = self.session.tokenizer.decode(self.generated, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        for stop in self.params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                self._push(text[:cut])
+                self._finish("stop_string")
+                return
+        self._push(text)
+
+    def _push(self, text: str) -> None:
+        if len(text) > len(self.text) and text.startswith(self.text):
+            delta, self.text = text[len(self.text):], text
+            if self.on_delta is not None:
+                self.on_delta(delta)
+        elif text != self.text:  # detokenization changed earlier text (rare): resend nothing
+            self.text = text
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.done_at = time.monotonic()
+        self.done = True
+        self.session.queries_answered += 1
+
+    def result(self) -> QueryResult:
+        started = self.started_at or self.done_at
+        return QueryResult(
+            session_id=self.session.id, query_id=self.query_id, text=self.text,
+            tokens=list(self.generated), finish_reason=self.finish_reason,
+            data_version=self.data_version, context_tokens=self.base or 0,
+            question_tokens=len(self.question_ids),
+            queue_s=started - self.submitted_at,
+            prefill_s=(self.prefilled_at or self.done_at) - started,
+            first_token_s=(self.first_token_at or self.done_at) - self.submitted_at,
+            total_s=self.done_at - self.submitted_at,
+        )
+
+    def finish(self, core, exc: BaseException | None = None) -> None:
+        if exc is None:
+            core.stats.queries += 1
+        if not self.session.closed:
+            self.session.cache.trim()  # the fork's blocks go back to the pool
+        super().finish(core, exc)
+
+
+def query(core, session_id: str, question: str, params: SamplingParams | None = None,
+          on_delta: Callable[[str], None] | None = None, query_id: str | None = None,
+          cancelled: threading.Event | None = None) -> Future | QueryResult:
+    """Ask a question; resolves to a QueryResult. A registered question whose answer is current
+    is answered from it, without the model."""
+    from .flash import cached_answer
+
+    params = params or SamplingParams()
+    session = core.live(session_id)
+    params.validate(core.limits.max_answer_tokens)
+    cached = cached_answer(session, question, params, query_id)
+    if cached is not None:
+        core.stats.queries_cached += 1
+        if on_delta is not None and cached.text:
+            on_delta(cached.text)
+        return cached
+    job = QueryJob(session, query_id or secrets.token_hex(6), question, params, core.stop_ids, on_delta, cancelled)
+    if len(job.question_ids) > core.limits.max_question_tokens:
+        raise InvalidRequest(f"question of {len(job.question_ids)} tokens exceeds the limit "
+                             f"of {core.limits.max_question_tokens} tokens", code="question_too_long")
+    return core.submit(job)

@@ -1,0 +1,52 @@
+"""Shared test helpers (tests/ is on sys.path: pytest puts the rootdir conftest's folder there).
+
+Engine tests drive the engine by hand: an `Engine` that is not started runs its commands on the
+calling thread and does model work only in `step()` / `run_until_idle()`, so a test decides
+exactly when work happens and never sleeps. `Sync` wraps one to call a command and run it to
+completion in one line. `wait_until` is for the tests that need real threads (servers).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from streamer.sessions.engine import Engine, EngineLimits
+from streamer.sessions.query import QueryHandle
+
+
+def driven(runner, **limits) -> Engine:
+    """An engine on `runner` that is not started: step it by hand."""
+    return Engine(runner, EngineLimits(**limits))
+
+
+class Sync:
+    """`Sync(engine).append(sid, text)` calls the command, runs the engine until idle and
+    returns the result (raising its error). The engine must not be started."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        method = getattr(self.engine, name)
+
+        def call(*args, **kwargs):
+            return result(self.engine, method(*args, **kwargs))
+
+        return call
+
+
+def result(engine: Engine, pending: Future | QueryHandle):
+    """Run the engine until idle; the outcome of `pending` (a future or a query handle)."""
+    future = pending.future if isinstance(pending, QueryHandle) else pending
+    engine.run_until_idle()
+    return future.result(timeout=0)
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Poll `predicate` until it holds (for tests with real threads and sockets)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.01)
