@@ -6,9 +6,12 @@ Backends: `reference` (pure torch, runs everywhere, the oracle) and `triton` (fu
 The setting comes from the caller (engine config, CLI flag) or, when it gives none, from the
 environment variable `STREAMER_ATTENTION_BACKEND`.
 
-`plan_step` turns a model step's sequences into an `AttentionPlan`. It reads caches through
-the interface the session caches share (`layer(i)`, `prefix`, `prefix_len`): a pool cache is
-its shared-prefix extent plus its own extent, each passed by address; nothing is copied.
+`plan_step` turns a model step's sequences into the step's attention plan, once per step, for
+either backend: a `ReferencePlan` (which sequences read only their own cache, which also read
+read-only ranges, which forks share ranges and are batched over them) or the Triton
+`AttentionPlan`. Every layer then runs the same plan. It reads caches through the interface the
+session caches share (`layer(i)`, `prefix`, `prefix_len`): a pool cache is its shared-prefix
+extent plus its own extent, each read in place; nothing is copied.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 from collections.abc import Sequence
 
 import torch
+
+from .reference import cache_attention, forked_attention, ranges_attention
 
 BACKENDS = ("auto", "reference", "triton")
 ENV_VAR = "STREAMER_ATTENTION_BACKEND"
@@ -83,6 +88,71 @@ def resolve_backend(requested: str | None, device: torch.device | str) -> str:
 # ---- the step planner ------------------------------------------------------------------------
 
 
+def read_only_parts(cache, length: int) -> list[tuple[object, int]]:
+    """A read-only `(cache, length)` as the buffers it lies in: a pool cache's shared prefix,
+    then its own part (each `(buffer, tokens)`, where a buffer has `layer(i)`)."""
+    shared = cache.prefix_len
+    if length <= 0:
+        return []
+    if not shared:
+        return [(cache, length)]
+    out = [(cache.prefix, min(length, shared))]
+    if length > shared:
+        out.append((cache, length - shared))
+    return out
+
+
+def _layout(seqs: Sequence, fork_suffix_max: int):
+    """Sort a step's sequences into plain ones (own cache only), ranged ones (a long own cache
+    plus read-only ranges) and groups of short forks that share the same read-only ranges.
+    Each item: (sequence, own_start, read-only parts)."""
+    plain, ranged, groups = [], [], {}
+    for seq in seqs:
+        cache = seq.cache
+        own_start = seq.start - cache.prefix_len
+        parts = [p for c, n in seq.prefixes for p in read_only_parts(c, n)]
+        if cache.prefix_len:
+            parts.append((cache.prefix, cache.prefix_len))
+        if not parts:
+            plain.append((seq, own_start, parts))
+        elif own_start > fork_suffix_max:
+            ranged.append((seq, own_start, parts))
+        else:
+            groups.setdefault(tuple((id(c), n) for c, n in parts), []).append((seq, own_start, parts))
+    return plain, ranged, list(groups.values())
+
+
+class ReferencePlan:
+    """The reference backend's plan of a step: built once, run by every layer.
+
+    A sequence that reads only its own cache takes the plain offset-causal path; one that also
+    reads read-only ranges (its session's shared system-prompt blocks, a fork's session) is
+    merged by log-sum-exp; short forks over the same ranges are batched so each range is read
+    once for all of them.
+    """
+
+    def __init__(self, seqs: Sequence, fork_suffix_max: int = 128) -> None:
+        self.plain, self.ranged, self.forks = _layout(seqs, fork_suffix_max)
+
+    def run(self, query: torch.Tensor, layer: int, out: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        """`query` `[heads, tokens, d]` (packed), `out` `[tokens, heads, d]`."""
+        for seq, start, _ in self.plain:
+            src = slice(seq.offset, seq.offset + seq.n)
+            out[src] = cache_attention(query[:, src], *seq.cache.layer(layer), start, scaling)
+        for seq, start, parts in self.ranged:
+            src = slice(seq.offset, seq.offset + seq.n)
+            out[src] = ranges_attention(query[:, src], [(*c.layer(layer), n) for c, n in parts],
+                                        *seq.cache.layer(layer), start, scaling)
+        for group in self.forks:
+            results = forked_attention(
+                [query[:, s.offset:s.offset + s.n] for s, _, _ in group],
+                [(*c.layer(layer), n) for c, n in group[0][2]],
+                [(*s.cache.layer(layer), start) for s, start, _ in group], scaling)
+            for (s, _, _), r in zip(group, results):
+                out[s.offset:s.offset + s.n] = r
+        return out
+
+
 def _layer_stride(cache) -> int:
     """Elements between layer 0's and layer 1's key buffer of a cache (0 for one layer)."""
     k0 = cache.layer(0)[0]
@@ -100,20 +170,9 @@ def _range(cache, length: int, causal_start: int | None = None):
     return KVRange(k, v, length, causal_start, _layer_stride(cache))
 
 
-def _shared_ranges(cache, length: int) -> list:
-    """A read-only `(cache, length)` as ranges: a pool cache's shared prefix, then its own part."""
-    shared = cache.prefix_len
-    if not shared:
-        return [_range(cache, length)] if length > 0 else []
-    out = [_range(cache.prefix, min(length, shared))]
-    if length > shared:
-        out.append(_range(cache, length - shared))
-    return out
-
-
-def plan_step(seqs: Sequence, heads: int, kv_heads: int, head_dim: int, device: torch.device,
-              fork_suffix_max: int = 128, **plan_options):
-    """An `AttentionPlan` for one model step.
+def triton_plan(seqs: Sequence, heads: int, kv_heads: int, head_dim: int, device: torch.device,
+                fork_suffix_max: int = 128, **plan_options):
+    """The Triton backend's `AttentionPlan` for one model step.
 
     `seqs`: objects with `cache`, `start`, `n`, `prefixes` (`(cache, length)` pairs it reads
     in full) and `offset` (its first token in the packed batch), as the runner's `SeqStep`.
@@ -125,24 +184,30 @@ def plan_step(seqs: Sequence, heads: int, kv_heads: int, head_dim: int, device: 
     from .triton_attention import AttentionPlan
 
     plan = AttentionPlan(heads, kv_heads, head_dim, device, **plan_options)
-    groups: dict[tuple, list] = {}
-    for seq in seqs:
-        cache = seq.cache
-        own_start = seq.start - cache.prefix_len
-        tokens = range(seq.offset, seq.offset + seq.n)
-        own = _range(cache, own_start + seq.n, causal_start=own_start)
-        keys = [(c, n) for c, n in seq.prefixes if n > 0]
-        if cache.prefix_len:
-            keys.append((cache.prefix, cache.prefix_len))
-        if not keys or own_start > fork_suffix_max:
-            plan.sequence(tokens, [r for c, n in keys for r in _shared_ranges(c, n)] + [own])
-        else:
-            groups.setdefault(tuple((id(c), n) for c, n in keys), []).append((tokens, own, keys))
-    for group in groups.values():
-        shared = [r for c, n in group[0][2] for r in _shared_ranges(c, n)]
+    plain, ranged, groups = _layout(seqs, fork_suffix_max)
+
+    def tokens(seq):
+        return range(seq.offset, seq.offset + seq.n)
+
+    def own(seq, start):
+        return _range(seq.cache, start + seq.n, causal_start=start)
+
+    for seq, start, parts in plain + ranged:
+        plan.sequence(tokens(seq), [_range(c, n) for c, n in parts] + [own(seq, start)])
+    for group in groups:
+        shared = [_range(c, n) for c, n in group[0][2]]
         if len(group) == 1:
-            plan.sequence(group[0][0], shared + [group[0][1]])
+            seq, start, _ = group[0]
+            plan.sequence(tokens(seq), shared + [own(seq, start)])
         else:
-            plan.forks([t for t, _, _ in group], shared, [[own] for _, own, _ in group])
+            plan.forks([tokens(s) for s, _, _ in group], shared, [[own(s, start)] for s, start, _ in group])
     plan.build()
     return plan
+
+
+def plan_step(seqs: Sequence, backend: str, heads: int, kv_heads: int, head_dim: int, device: torch.device,
+              fork_suffix_max: int = 128):
+    """The attention plan of one model step for `backend` ("reference" or "triton")."""
+    if backend == "triton":
+        return triton_plan(seqs, heads, kv_heads, head_dim, device, fork_suffix_max)
+    return ReferencePlan(seqs, fork_suffix_max)

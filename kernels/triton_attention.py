@@ -34,7 +34,6 @@ run them on the CPU (tests do, in tests/kernels/conftest.py).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -209,7 +208,6 @@ class _Request:
     slot0: int = 0  # first partial slot (separate calls of the two-call form)
 
 
-@functools.lru_cache(maxsize=None)
 class _Layout:
     """A plan's host-side tables while they are built: segments (ranges), items (query rows x
     a slice of their ranges' keys), the packed token of every item row, and the partial slots

@@ -10,6 +10,7 @@ are amortised O(new tokens), never O(cache) per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,6 +28,56 @@ class KVShape:
         """Physical KV bytes per token: layers x 2 x kv_heads x head_dim x dtype size."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.layers * 2 * self.kv_heads * self.head_dim * elem
+
+
+@runtime_checkable
+class KVBuffer(Protocol):
+    """What the runner and the attention plans need of a cache: per-layer views of its own
+    slots, an optional read-only shared prefix in front of them, and explicit growth and commit.
+    Positions are logical: the prefix's `prefix_len` tokens come first, and `layer(i)`'s slot 0
+    is logical position `prefix_len`. Implemented by `KVCache`, `pool.PagedCache` and
+    `pool.SharedPrefix`."""
+
+    length: int
+    max_tokens: int
+    prefix_len: int
+
+    @property
+    def prefix(self) -> "KVBuffer | None": ...
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def reserve(self, total: int) -> None: ...
+
+    def commit(self, length: int) -> None: ...
+
+
+@runtime_checkable
+class SessionCache(KVBuffer, Protocol):
+    """A session's reading cache (`pool.PagedCache` in the engine, `KVCache` in tools and
+    tests): a `KVBuffer` that can also be cropped, give back blocks, be parked out of memory
+    and be snapshotted."""
+
+    shape: KVShape
+
+    @property
+    def parked(self) -> object: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    def crop(self, length: int) -> None: ...
+
+    def trim(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def park(self, to_disk: bool = False, name: str = "session") -> int: ...
+
+    def snapshot(self) -> torch.Tensor: ...
 
 
 class KVCache:

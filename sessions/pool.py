@@ -246,6 +246,7 @@ class SharedPrefix:
     users: int = 0
     filled: bool = False  # its K/V are written (by the first session that used it)
     prefix_len = 0  # as a cache it has no prefix of its own
+    prefix = None
 
     @property
     def length(self) -> int:

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamer.kernels import cache_attention, forked_attention, ranges_attention
-from streamer.kernels.backend import plan_step, resolve_backend
+from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend
 
-from .kvcache import KVCache, KVShape
+from .kvcache import KVBuffer, KVCache, KVShape
 
 ATTENTION_NAME = "streamer_cache"
 
@@ -36,10 +35,10 @@ class SeqStep:
     prefixes, i.e. their summed length + start).
     """
 
-    cache: KVCache
+    cache: KVBuffer
     start: int
     tokens: Sequence[int]
-    prefixes: tuple[tuple[KVCache, int], ...] = ()
+    prefixes: tuple[tuple[KVBuffer, int], ...] = ()
     pos0: int | None = None
     offset: int = 0  # index of the first token in the packed batch
 
@@ -58,81 +57,36 @@ class SeqStep:
 class StepMetadata:
     seqs: list[SeqStep] = field(default_factory=list)
     backend: str = "reference"
-    plan: object = None  # the Triton backend's plan, built at the first layer, reused by the others
+    plan: object = None  # the step's attention plan (kernels.backend.plan_step), run by every layer
+
+    def __post_init__(self) -> None:
+        if self.plan is None:  # a caller outside the runner (one sequence, reference attention)
+            self.plan = ReferencePlan(self.seqs, FORK_SUFFIX_MAX)
 
 
 FORK_SUFFIX_MAX = 128  # own tokens up to which forks of one group are batched together
-
-
-def _ranges(cache, length: int) -> list[tuple[object, int]]:
-    """A read-only `(cache, length)` as attention ranges: a paged cache's shared prefix, then
-    its own part."""
-    shared = cache.prefix_len
-    if not shared:
-        return [(cache, length)]
-    out = [(cache.prefix, min(length, shared))]
-    if length > shared:
-        out.append((cache, length - shared))
-    return out
 
 
 def _session_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        streamer_meta: StepMetadata | None = None, **kwargs):
     """transformers attention hook: query `[1, H, N, D]`, key/value `[1, Hkv, N, D]` (packed).
 
-    Each sequence's new K/V go to its own cache at explicit slots. A sequence that reads only
-    its own cache takes the plain path; one that also reads shared ranges (a session's shared
-    system-prompt blocks, a fork's session) is merged by log-sum-exp; short forks over the same
-    ranges are batched so each range is read once for all of them.
+    Each sequence's new K/V go to its own cache at explicit slots; then the step's attention
+    plan (built once for all layers, `kernels.backend.plan_step`) runs for this layer.
     """
     if streamer_meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs `streamer_meta`; run through ModelRunner")
     layer = module.layer_idx
-    out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [N, H, D]
-    if streamer_meta.backend == "triton":
-        return _triton_attention(layer, query, key, value, out, scaling, streamer_meta)
-    forks: dict[tuple, list[tuple[SeqStep, int, list]]] = {}
     for seq in streamer_meta.seqs:
-        cache = seq.cache
-        shared = cache.prefix_len
-        own_start = seq.start - shared
-        k_cache, v_cache = cache.layer(layer)
-        src = slice(seq.offset, seq.offset + seq.n)
-        k_cache[:, own_start:own_start + seq.n] = key[0, :, src]
-        v_cache[:, own_start:own_start + seq.n] = value[0, :, src]
-        ranges = [r for c, n in seq.prefixes for r in _ranges(c, n)]
-        if shared:
-            ranges.append((cache.prefix, shared))
-        q = query[0, :, src]
-        if not ranges:
-            out[src] = cache_attention(q, k_cache, v_cache, own_start, scaling)
-        elif own_start > FORK_SUFFIX_MAX:
-            out[src] = ranges_attention(q, [(*c.layer(layer), n) for c, n in ranges], k_cache, v_cache,
-                                        own_start, scaling)
-        else:
-            forks.setdefault(tuple((id(c), n) for c, n in ranges), []).append((seq, own_start, ranges))
-    for group in forks.values():
-        ranges = group[0][2]
-        results = forked_attention(
-            [query[0, :, s.offset:s.offset + s.n] for s, _, _ in group],
-            [(*c.layer(layer), n) for c, n in ranges],
-            [(*s.cache.layer(layer), own_start) for s, own_start, _ in group], scaling)
-        for (s, _, _), r in zip(group, results):
-            out[s.offset:s.offset + s.n] = r
-    return out.unsqueeze(0), None
-
-
-def _triton_attention(layer, query, key, value, out, scaling, meta: StepMetadata):
-    """Write every sequence's new K/V, then run the step's plan for this layer."""
-    for seq in meta.seqs:
         own_start = seq.start - seq.cache.prefix_len
         k_cache, v_cache = seq.cache.layer(layer)
         k_cache[:, own_start:own_start + seq.n] = key[0, :, seq.offset:seq.offset + seq.n]
         v_cache[:, own_start:own_start + seq.n] = value[0, :, seq.offset:seq.offset + seq.n]
-    if meta.plan is None:
-        meta.plan = plan_step(meta.seqs, query.shape[1], key.shape[1], query.shape[3], query.device,
-                              fork_suffix_max=FORK_SUFFIX_MAX)
-    meta.plan.run(query[0].transpose(0, 1), layer, out=out, scaling=scaling)
+    out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [N, H, D]
+    if streamer_meta.backend == "triton":
+        streamer_meta.plan.run(query[0].transpose(0, 1), layer, out=out, scaling=scaling)
+    else:
+        streamer_meta.plan.run(query[0], layer, out, scaling)
     return out.unsqueeze(0), None
 
 
@@ -168,6 +122,7 @@ class ModelRunner:
             kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=head_dim, dtype=param.dtype, device=param.device,
         )
+        self.heads = cfg.num_attention_heads
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = param.device
         self.attention_backend = "reference"
@@ -203,8 +158,12 @@ class ModelRunner:
             keep: int | torch.Tensor = 0
         else:  # "none" still needs one row from the head; keep it to the last tokens
             keep = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
+        shape = self.kv_shape
+        plan = plan_step(seqs, self.attention_backend, self.heads, shape.kv_heads, shape.head_dim, self.device,
+                         FORK_SUFFIX_MAX)
+        meta = StepMetadata(list(seqs), self.attention_backend, plan)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                         streamer_meta=StepMetadata(list(seqs), self.attention_backend), logits_to_keep=keep)
+                         streamer_meta=meta, logits_to_keep=keep)
         rows = out.logits[0].float()
         if logits == "none":
             return None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .errors import ContextOverflow, InvalidRequest
 from .framing import Framing
-from .kvcache import KVCache
+from .kvcache import SessionCache
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Session:
         self.system_prompt = system_prompt
         self.prefix_ids = self.tokenize(self.framing.prefix)
         if pool is None:  # a private cache (tests, tools)
-            self.cache: KVCache = runner.new_cache(max_tokens)
+            self.cache: SessionCache = runner.new_cache(max_tokens)
         else:  # blocks of the engine's pool; the system prompt's full blocks shared
             from .pool import PagedCache
 

@@ -85,6 +85,23 @@ def test_runner_logits_match_across_backends(tokenizer):
         assert torch.equal(t.argmax(-1), r.argmax(-1))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_step_plans_are_freed_after_their_step(tokenizer, backend):
+    """A step's attention plan (tables, partial buffers) lives for its step only: after many
+    steps of every shape, none is left alive."""
+    import gc
+
+    from streamer.kernels.backend import ReferencePlan
+    from streamer.kernels.triton_attention import AttentionPlan
+
+    gc.collect()
+    before = sum(isinstance(o, (AttentionPlan, ReferencePlan)) for o in gc.get_objects())
+    logits = step_logits(runner_with(tokenizer, backend), tokenizer)
+    assert len(logits) == 16
+    gc.collect()
+    assert sum(isinstance(o, (AttentionPlan, ReferencePlan)) for o in gc.get_objects()) == before
+
+
 def engine_answers(engine):
     """Append, query, flash questions and dual thinking through the engine; everything that
     depends on the attention: answers, flash answers, notes, and the caches."""

@@ -215,3 +215,16 @@ def test_no_leak_over_many_sessions(tiny):
         Sync(engine).close_session(sid)
     assert engine.pool.free_blocks() == total
     assert not engine.pool.prefixes and not engine.pool.extents
+
+
+def test_every_cache_keeps_the_cache_contract(tiny):
+    """The engine, the runner and the attention plans use caches only through the protocols in
+    sessions/kvcache.py; each cache type implements them."""
+    from streamer.sessions.kvcache import KVBuffer, KVCache, SessionCache
+
+    runner = tiny[0]
+    pool = BlockPool(runner.kv_shape, 1 << 20)
+    prefix = pool.prefix_for(list(range(40)))
+    for cache in (KVCache(runner.kv_shape, 64), PagedCache(pool, 64, prefix), PagedCache(pool, 64)):
+        assert isinstance(cache, SessionCache) and isinstance(cache, KVBuffer)
+    assert isinstance(prefix, KVBuffer) and not isinstance(prefix, SessionCache)  # read-only: no crop or park
