@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vision"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from videogen import encode_image, encode_video  # noqa: E402
 

@@ -24,15 +24,21 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from streamer.protocol import media_frame
+from streamer.protocol import command, media_frame, media_header
+from streamer.sessions.errors import Code
+
+
+CONNECTION_CLOSED = "connection_closed"  # the SDK's own code: the websocket closed under a request
 
 
 class StreamerError(Exception):
-    """An `error` event from the server."""
+    """An `error` event from the server. `code` is a `Code` (streamer.sessions.errors), or the
+    SDK's own `connection_closed`."""
 
     def __init__(self, code: str, message: str, recoverable: bool = True, param: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
-        self.code, self.message, self.recoverable, self.param = code, message, recoverable, param
+        self.code: Code | str = Code(code) if code in Code._value2member_map_ else code
+        self.message, self.recoverable, self.param = message, recoverable, param
 
 
 @dataclass(slots=True)
@@ -90,8 +96,7 @@ class QueryStream:
         return self.answer
 
     async def cancel(self) -> None:
-        await self.session.client.send({"type": "query.cancel", "session_id": self.session.id,
-                                        "query_id": self.query_id})
+        await self.session.client.send(command("query.cancel", session_id=self.session.id, query_id=self.query_id))
 
 
 def _answer(event: dict) -> Answer:
@@ -124,19 +129,16 @@ class Session:
         return _ack(event)
 
     async def append(self, text: str) -> Ack:
-        return await self._input({"type": "input.text.append", "session_id": self.id, "text": text})
+        return await self._input(command("input.text.append", session_id=self.id, text=text))
 
     async def revise(self, text: str, from_seq: int | None = None) -> Ack:
-        msg = {"type": "input.text.revise", "session_id": self.id, "text": text}
-        if from_seq is not None:
-            msg["from_seq"] = from_seq
-        return await self._input(msg)
+        return await self._input(command("input.text.revise", session_id=self.id, text=text, from_seq=from_seq))
 
     async def end_input(self) -> dict:
-        return await self.client.request({"type": "input.end", "session_id": self.id})
+        return await self.client.request(command("input.end", session_id=self.id))
 
     async def state(self) -> dict:
-        return (await self.client.request({"type": "session.get", "session_id": self.id}))["session"]
+        return (await self.client.request(command("session.get", session_id=self.id)))["session"]
 
     async def ask_stream(self, question: str, **options: Any) -> QueryStream:
         """Start a question; returns its stream at once (options: max_tokens, temperature,
@@ -144,7 +146,7 @@ class Session:
         query_id = options.pop("query_id", None) or f"c{next(self.client._ids)}"
         stream = QueryStream(self, query_id)
         self.client._streams[(self.id, query_id)] = stream
-        msg = {"type": "query.create", "session_id": self.id, "question": question, "query_id": query_id, **options}
+        msg = command("query.create", session_id=self.id, question=question, query_id=query_id, **options)
         event_id = await self.client.send(msg)
         self.client._stream_by_event[event_id] = stream
         return stream
@@ -159,15 +161,15 @@ class Session:
     async def register_flash(self, question: str, **options: Any) -> dict:
         """Register a flash question (options: flash_id, max_tokens, priority, min_interval_ms,
         confirm); its `flash.updated` events arrive on `client.events()`."""
-        msg = {"type": "flash.register", "session_id": self.id, "question": question, **options}
+        msg = command("flash.register", session_id=self.id, question=question, **options)
         return (await self.client.request(msg))["flash"]
 
     async def unregister_flash(self, flash_id: str) -> None:
-        await self.client.request({"type": "flash.unregister", "session_id": self.id, "flash_id": flash_id})
+        await self.client.request(command("flash.unregister", session_id=self.id, flash_id=flash_id))
 
     async def set_thinking(self, **thinking: Any) -> dict:
         """Change the thinking settings (mode="off"|"interleaved"|"dual", unit_tokens, ...)."""
-        msg = {"type": "session.update", "session_id": self.id, "thinking": thinking}
+        msg = command("session.update", session_id=self.id, thinking=thinking)
         return (await self.client.request(msg))["session"]
 
     async def send_media(self, kind: str, fmt: str, payload: bytes, seq: int, ts: float | None = None,
@@ -175,12 +177,12 @@ class Session:
         """Send one binary media frame (docs/protocol.md, "Media frames"). Its `input.ack`
         (with `media_seq`), `media.observation` and `media.transcript` events arrive on
         `client.events()`; `extra`: sample_rate, channels, end, live."""
-        header = {"session_id": self.id, "kind": kind, "format": fmt, "seq": seq,
-                  "ts": time.time() if ts is None else ts, **{k: v for k, v in extra.items() if v is not None}}
+        header = media_header(session_id=self.id, kind=kind, format=fmt, seq=seq,
+                              ts=time.time() if ts is None else ts, **extra)
         await self.client.ws.send(media_frame(header, payload))
 
     async def close(self) -> dict:
-        return await self.client.request({"type": "session.close", "session_id": self.id})
+        return await self.client.request(command("session.close", session_id=self.id))
 
 
 def _ack(event: dict) -> Ack:
@@ -221,11 +223,8 @@ class StreamerClient:
     async def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
                              flash: list[dict] | None = None, thinking: dict | None = None,
                              window: dict | None = None) -> Session:
-        msg: dict = {"type": "session.create"}
-        for key, value in (("system_prompt", system_prompt), ("session_id", session_id), ("flash", flash),
-                           ("thinking", thinking), ("window", window)):
-            if value is not None:
-                msg[key] = value
+        msg = command("session.create", system_prompt=system_prompt, session_id=session_id, flash=flash,
+                      thinking=thinking, window=window)
         return Session(self, await self.request(msg))
 
     async def resume(self, session: Session | str, token: str | None = None) -> Session:
@@ -238,7 +237,7 @@ class StreamerClient:
         token = token or (old.tokens.get("producer") if old is not None else None)
         if not token:
             raise ValueError("resume needs the session's producer token")
-        resumed = await self.request({"type": "session.resume", "session_id": sid, "token": token})
+        resumed = await self.request(command("session.resume", session_id=sid, token=token))
         new = Session(self, {"session_id": sid, "session": resumed["session"],
                              "tokens": old.tokens if old is not None else {"producer": token}})
         new.resumed = resumed
@@ -252,7 +251,7 @@ class StreamerClient:
     async def subscribe(self, session_id: str, token: str) -> dict:
         """Watch another connection's session read-only; returns its state. Its events
         (`flash.updated`, `reasoning.*`) arrive on `events()`."""
-        return (await self.request({"type": "subscribe", "session_id": session_id, "token": token}))["session"]
+        return (await self.request(command("subscribe", session_id=session_id, token=token)))["session"]
 
     async def events(self) -> AsyncIterator[dict]:
         """Events no call waits for: flash.updated, reasoning.delta/done, ..."""
@@ -289,7 +288,7 @@ class StreamerClient:
             if not fut.done():
                 fut.set_exception(ConnectionError("connection closed"))
         for stream in self._streams.values():
-            stream._feed({"type": "error", "error": {"code": "connection_closed", "message": "connection closed",
+            stream._feed({"type": "error", "error": {"code": CONNECTION_CLOSED, "message": "connection closed",
                                                      "recoverable": False}})
 
     def _dispatch(self, event: dict) -> None:

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from streamer.protocol import command
 from streamer.sessions.actions import ChunkQueue
 
 from .client import StreamerClient
@@ -55,8 +56,8 @@ async def run_robot(args: argparse.Namespace) -> dict:
         async with aiomqtt.Client(host, port) as mqtt:
             await mqtt.subscribe(actions_topic, qos=1)
             await session.append(json.dumps({"target": target_at(0).tolist()}))
-            await client.request({"type": "action.start", "session_id": session.id, "mode": args.mode,
-                                  "dt_ms": args.dt_ms, "latency_ms": list(args.latency_ms)})
+            await client.request(command("action.start", session_id=session.id, mode=args.mode, dt_ms=args.dt_ms,
+                                         latency_ms=list(args.latency_ms)))
             queue = ChunkQueue(dt, blend=0)
             position = np.zeros(2)
             chunks, errors = [], []
@@ -85,7 +86,7 @@ async def run_robot(args: argparse.Namespace) -> dict:
                     await asyncio.sleep(max(0.0, dt - (time.time() - now)))
             finally:
                 receiver.cancel()
-            await client.request({"type": "action.stop", "session_id": session.id})
+            await client.request(command("action.stop", session_id=session.id))
             await session.close()
     return {"chunks": len(chunks), "mean_error": float(np.mean(errors)) if errors else float("nan"),
             "seqs": [c["seq"] for c in chunks]}

@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .errors import EngineError, InvalidRequest, SessionNotFound
+from .errors import Code, EngineError, InvalidRequest, SessionNotFound
 from .flash import normalize
 from .session import json_object
 
@@ -283,7 +283,7 @@ class ActionLoop:
         dim = self.controller.policy.state_dim
         if len(state) != dim or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in state):
             raise InvalidRequest(f"robot state must be {dim} finite numbers, got {state!r}"[:200],
-                                 code="invalid_robot_state")
+                                 code=Code.INVALID_ROBOT_STATE)
         with self._lock:
             self.state, self.state_ts = np.array(state, dtype=float), ts
 
@@ -363,14 +363,14 @@ def add_rule(core, session_id: str, flash_id: str, pattern: str, command: dict, 
     listeners get an `action.command` event with `command`, once per change."""
     session = core.live(session_id)
     if flash_id not in session.flash:
-        raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code="flash_not_found")
+        raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code=Code.FLASH_NOT_FOUND)
     session.next_rule_id += 1
     rid = rule_id or f"r{session.next_rule_id}"
     if rid in session.rules:
         raise InvalidRequest(f"rule id {rid!r} is already in use")
     if len(session.rules) >= core.limits.max_flash_per_session:
         raise EngineError(f"session {session_id} already has {len(session.rules)} rules (the limit)",
-                          code="rule_limit")
+                          code=Code.RULE_LIMIT)
     rule = FlashRule(rid, flash_id, pattern, command, debounce_s)
     answer = session.flash[flash_id].answer
     if answer is not None:  # a rule starts from the present answer: only changes fire
@@ -382,7 +382,7 @@ def add_rule(core, session_id: str, flash_id: str, pattern: str, command: dict, 
 def remove_rule(core, session_id: str, rule_id: str) -> dict:
     session = core.live(session_id)
     if session.rules.pop(rule_id, None) is None:
-        raise EngineError(f"no rule {rule_id!r} on session {session_id}", code="rule_not_found")
+        raise EngineError(f"no rule {rule_id!r} on session {session_id}", code=Code.RULE_NOT_FOUND)
     return {"rule_id": rule_id}
 
 
@@ -432,5 +432,5 @@ def robot_state(sessions: dict, session_id: str, state: list[float], ts: float |
         raise SessionNotFound(f"no session {session_id!r}")
     loop = session.actions
     if loop is None:
-        raise InvalidRequest(f"session {session_id} runs no action policy", code="invalid_robot_state")
+        raise InvalidRequest(f"session {session_id} runs no action policy", code=Code.INVALID_ROBOT_STATE)
     loop.robot_state(state, time.time() if ts is None else ts)

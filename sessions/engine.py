@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from . import actions, flash, jobs, session as session_commands, thinking, window
-from .errors import EngineError, EngineStopped, InvalidRequest, SessionNotFound
+from .errors import Code, EngineError, EngineStopped, InvalidRequest, SessionNotFound
 from .futures import chain, settle
 from .jobs import Job, Lanes
 from .memory import Memory
@@ -199,7 +199,7 @@ class EngineCore:
         except Exception as exc:
             log.exception("forward failed for %d jobs", len(batch))
             for job, _ in batch:
-                self._finish(job, EngineError(f"model step failed: {exc}", code="internal_error"))
+                self._finish(job, EngineError(f"model step failed: {exc}", code=Code.INTERNAL_ERROR))
             return
         s = self.stats
         s.steps += 1
@@ -222,7 +222,7 @@ class EngineCore:
         job.finish(self, exc)
 
     def _fail_heads(self) -> None:
-        error = EngineError("internal error in the engine step; the request was dropped", code="internal_error")
+        error = EngineError("internal error in the engine step; the request was dropped", code=Code.INTERNAL_ERROR)
         for job in list(self.lanes.heads()):
             self._finish(job, error)
 
@@ -244,7 +244,7 @@ class EngineCore:
         no session is created."""
         if len(self.sessions) >= self.limits.max_sessions:
             raise EngineError(f"session limit reached ({self.limits.max_sessions} sessions)",
-                              code="too_many_sessions")
+                              code=Code.TOO_MANY_SESSIONS)
         sid = session_id or secrets.token_hex(12)
         if sid in self.sessions:
             raise InvalidRequest(f"session id {sid!r} is already in use")
@@ -257,7 +257,7 @@ class EngineCore:
         if sid in self.sessions:  # checked again: it may have waited in the admission queue
             raise InvalidRequest(f"session id {sid!r} is already in use")
         if len(self.sessions) >= self.limits.max_sessions:
-            raise EngineError(f"session limit reached ({self.limits.max_sessions} sessions)", code="too_many_sessions")
+            raise EngineError(f"session limit reached ({self.limits.max_sessions} sessions)", code=Code.TOO_MANY_SESSIONS)
         session = Session(sid, self.runner, system_prompt, self.context_window, self.memory.pool,
                           self.limits.share_prefix)
         try:
@@ -363,7 +363,9 @@ class Engine:
     append = _command(jobs.append)
     revise = _command(jobs.revise)
     end_input = _command(jobs.end_input)
+    transcribe = _command(jobs.transcribe)
     configure_window = _command(window.configure)
+    ensure_window = _command(window.ensure)
     configure_thinking = _command(thinking.configure_command)
     register_flash = _command(flash.register)
     unregister_flash = _command(flash.unregister)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import EngineError, InvalidRequest
+from .errors import Code, EngineError, InvalidRequest
 from .jobs import Job, Lanes, Priority
 from .kvcache import KVCache
 from .runner import SeqStep
@@ -240,6 +240,8 @@ class FlashJob(Job):
                 core.stats.flash_pushed += 1
                 session.notify("flash.updated", {"flash_id": q.flash_id, "question": q.question, **answer.public()})
                 fire_rules(session, q.flash_id, answer)
+            else:  # not a change, but the answer is current for newer data: state watchers refresh
+                session.notify("flash.evaluated", {"flash_id": q.flash_id, "data_version": answer.data_version})
 
     def _finish(self) -> None:
         now, wall = time.monotonic(), time.time()
@@ -258,18 +260,18 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
     """Check a registration against the session's registry and the limits; build it."""
     if len(session.flash) >= limit:
         raise EngineError(f"session {session.id} already has {limit} flash questions (the limit)",
-                          code="flash_limit")
+                          code=Code.FLASH_LIMIT)
     if not question.strip():
         raise InvalidRequest("flash question is empty")
     key = normalize(question)
     for existing in session.flash.values():
         if normalize(existing.question) == key:
-            raise EngineError(f"question already registered as {existing.flash_id!r}", code="flash_duplicate")
+            raise EngineError(f"question already registered as {existing.flash_id!r}", code=Code.FLASH_DUPLICATE)
     if flash_id is not None and flash_id in session.flash:
-        raise EngineError(f"flash id {flash_id!r} is already in use", code="flash_duplicate")
+        raise EngineError(f"flash id {flash_id!r} is already in use", code=Code.FLASH_DUPLICATE)
     if not 1 <= max_tokens <= answer_limit:
         raise InvalidRequest(f"max_tokens must be in [1, {answer_limit}], got {max_tokens}",
-                             code="max_tokens_too_large" if max_tokens > answer_limit else None)
+                             code=Code.MAX_TOKENS_TOO_LARGE if max_tokens > answer_limit else None)
     if not 1 <= confirm <= 100:
         raise InvalidRequest(f"confirm must be in [1, 100], got {confirm}")
     if min_interval_s < 0:
@@ -350,7 +352,7 @@ def new_question(core, session: Session, question: str, flash_id: str | None = N
                               confirm, limits.max_flash_per_session, limits.max_answer_tokens)
     if len(q.question_ids) > limits.max_question_tokens:
         raise InvalidRequest(f"question of {len(q.question_ids)} tokens exceeds the limit of "
-                             f"{limits.max_question_tokens} tokens", code="question_too_long")
+                             f"{limits.max_question_tokens} tokens", code=Code.QUESTION_TOO_LONG)
     return q
 
 
@@ -358,5 +360,5 @@ def unregister(core, session_id: str, flash_id: str) -> dict:
     session = core.live(session_id)
     q = session.flash.pop(flash_id, None)
     if q is None:
-        raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code="flash_not_found")
+        raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code=Code.FLASH_NOT_FOUND)
     return q.state(session.data_version)

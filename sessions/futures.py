@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .errors import EngineError
+from .errors import Code, EngineError
 
 
 def settle(fut: Future, result: object = None, exc: BaseException | None = None) -> None:
@@ -36,7 +36,7 @@ def chain(src: object, dst: Future, transform: Callable | None = None) -> None:
 def _relay(src: Future, dst: Future, transform: Callable | None) -> None:
     if dst.done():
         return
-    exc = src.exception() if not src.cancelled() else EngineError("cancelled", code="cancelled")
+    exc = src.exception() if not src.cancelled() else EngineError("the request was cancelled", code=Code.INTERNAL_ERROR)
     if exc is not None:
         settle(dst, exc=exc)
         return

@@ -323,28 +323,91 @@ class ReviseJob(PrefillJob):
                             time.monotonic() - self.submitted_at, self.kept, self.replaced)
 
 
+class SegmentJob(ReviseJob):
+    """One transcript of an audio segment (streaming ASR: partials, then the final). The first
+    transcript of a segment is appended; a later one revises the segment's chunk while that is
+    still the session's last input, and is appended after the newer input otherwise (the partial
+    stays, labelled partial). Decided when the job runs, after everything queued before it, so the
+    caller never waits for one transcript before sending the next. An empty final deletes its
+    segment's partial; an empty transcript with nothing to revise writes nothing."""
+
+    kind = "segment"
+
+    def __init__(self, session: Session, segment: str, text: str, final: bool) -> None:
+        super().__init__(session, text, None)
+        self.segment, self.final = segment, final
+        self.revising = False
+        self.frozen = False
+
+    def begin(self, after: PrefillJob | None = None) -> None:
+        s = self.session
+        seq = s.segments.get(self.segment)
+        self.revising = seq is not None and bool(s.chunks) and s.chunks[-1].seq == seq
+        self.frozen = seq is not None and not self.revising
+        if self.revising:
+            self.from_seq = seq
+            super().begin(after)
+        else:
+            PrefillJob.begin(self, after)
+            self.kept, self.replaced = 0, []
+
+    def finish_input(self) -> None:
+        s = self.session
+        if self.revising:
+            super().finish_input()
+        elif self.tokens:
+            self.chunk = s.record(self.text, self.start, self.tokens)
+        self.done = True
+        if self.final or self.chunk is None:
+            s.segments.pop(self.segment, None)
+        else:
+            s.segments[self.segment] = self.chunk.seq
+
+    def result(self) -> AppendResult | None:
+        if not self.revising and self.chunk is None:
+            return None  # nothing was written
+        out = super().result()
+        out.frozen_partial = self.frozen
+        return out
+
+
 # ---- the input commands (run on the engine thread; `core` is the EngineCore) ----------------
 
 
 def append(core, session_id: str, text: str) -> Future:
     """Resolves to an AppendResult once the text's tokens are in the cache. The text is
     tokenized on its own (never with earlier text); a bounded session makes room first."""
-    from .window import check_window_room, SlideJob
-
     session = core.writable(session_id)
-    tokens = session.tokenize(text)
+    tokens = core.runner.tokenize(text)
     if not tokens:
         raise InvalidRequest("text is empty")
-    if session.window is None:
-        session.check_room(len(tokens))
-    elif check_window_room(session, session.window, len(tokens)):
-        core.submit(SlideJob(session, session.window))
+    make_room(core, session, len(tokens))
     return core.submit(PrefillJob(session, tokens, text))
+
+
+def make_room(core, session: Session, tokens: int) -> None:
+    """Refuse input that cannot fit; a bounded session slides its window first if it must."""
+    from .window import SlideJob, check_window_room
+
+    if session.window is None:
+        session.check_room(tokens)
+    elif check_window_room(session, session.window, tokens):
+        core.submit(SlideJob(session, session.window))
 
 
 def revise(core, session_id: str, text: str, from_seq: int | None = None) -> Future:
     """Replace the input from `from_seq` on (default: the last input); resolves to an AppendResult."""
     return core.submit(ReviseJob(core.writable(session_id), text, from_seq))
+
+
+def transcribe(core, session_id: str, segment: str, text: str, final: bool) -> Future:
+    """Write one transcript of an audio segment (see SegmentJob); resolves to an AppendResult,
+    or None when there was nothing to write."""
+    session = core.writable(session_id)
+    tokens = len(session.tokenize(text))
+    if tokens:
+        make_room(core, session, tokens)
+    return core.submit(SegmentJob(session, segment, text, final))
 
 
 def end_input(core, session_id: str) -> dict:

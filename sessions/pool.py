@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import EngineError
+from .errors import Code, EngineError
 from .kvcache import KVShape
 
 log = logging.getLogger(__name__)
 
 
 class OutOfBlocks(EngineError):
-    code = "kv_budget_exceeded"
+    code = Code.KV_BUDGET_EXCEEDED
 
 
 def _size(n: int) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ContextOverflow, InvalidRequest
+from .errors import Code, ContextOverflow, InvalidRequest
 from .jobs import Job, Priority
 from .kvcache import KVCache
 from .runner import SeqStep
@@ -226,5 +226,5 @@ def query(core, session_id: str, question: str, params: SamplingParams | None = 
     job = QueryJob(session, query_id or secrets.token_hex(6), question, params, core.stop_ids, on_delta, cancelled)
     if len(job.question_ids) > core.limits.max_question_tokens:
         raise InvalidRequest(f"question of {len(job.question_ids)} tokens exceeds the limit "
-                             f"of {core.limits.max_question_tokens} tokens", code="question_too_long")
+                             f"of {core.limits.max_question_tokens} tokens", code=Code.QUESTION_TOO_LONG)
     return core.submit(job)

@@ -133,6 +133,11 @@ class ModelRunner:
         self.attention_backend = resolve_backend(requested, self.device)
         return self.attention_backend
 
+    def tokenize(self, text: str) -> list[int]:
+        """Tokenize one piece on its own: never the concatenation with earlier text, so chunk
+        boundaries never shift tokens that are already in the cache."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         return KVCache(self.kv_shape, max_tokens or self.context_window)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidRequest
+from .errors import Code, InvalidRequest
 
 
 @dataclass(slots=True)
@@ -23,7 +23,7 @@ class SamplingParams:
     def validate(self, limit: int) -> None:
         if self.max_tokens > limit:
             raise InvalidRequest(f"max_tokens must be in [1, {limit}], got {self.max_tokens}",
-                                 code="max_tokens_too_large")
+                                 code=Code.MAX_TOKENS_TOO_LARGE)
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be in [1, {limit}], got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 10.0:

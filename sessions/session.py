@@ -42,6 +42,7 @@ class AppendResult:
     lag_s: float
     kept_tokens: int | None = None  # revise: tokens of the replaced tail reused from the cache
     replaced_seqs: list[int] = field(default_factory=list)
+    frozen_partial: bool = False  # a transcript appended because its segment's partial is no longer last
 
 
 def json_object(text: str) -> dict | None:
@@ -94,6 +95,7 @@ class Session:
         self.next_rule_id = 0
         self.actions = None  # ActionLoop, when a policy runs
         self.window = None  # TextWindow, when the cache is bounded (sessions/window.py)
+        self.segments: dict[str, int] = {}  # audio segment -> seq of its chunk, while a partial may be revised
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 
     @property
@@ -105,9 +107,8 @@ class Session:
         return self.cache.length
 
     def tokenize(self, text: str) -> list[int]:
-        """Tokenize one piece on its own: never the concatenation with earlier text, so chunk
-        boundaries never shift tokens that are already in the cache."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Tokenize one piece on its own (ModelRunner.tokenize)."""
+        return self.runner.tokenize(text)
 
     def context_ids(self) -> list[int]:
         """The token ids the reading cache holds, from the log (what a replay would prefill)."""
@@ -201,7 +202,8 @@ class Session:
 
 def add_listener(core, session_id: str, listener) -> None:
     """`listener(event_type, payload)` is called on the engine thread for session events
-    (`flash.updated`, `reasoning.*`, `action.*`); it must not block."""
+    (`flash.updated`, `reasoning.*`, `action.*`, and `flash.evaluated` for an evaluation that
+    changed no answer, which is not sent to clients); it must not block."""
     core.live(session_id).listeners.append(listener)
 
 

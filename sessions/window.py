@@ -132,3 +132,15 @@ def configure(core, session_id: str, max_tokens: int, keep_tokens: int = 0, sink
     if session.cache.length + session.pending_tokens > max_tokens:
         core.submit(SlideJob(session, session.window))
     return session.state()
+
+
+def ensure(core, session_id: str, max_tokens: int) -> dict:
+    """Give a session that has no window one of `max_tokens` (at most its context window), so
+    an endless input (media) cannot fill it; sessions that think keep their cache as it is.
+    Returns {"window_set": the settings applied, or None}."""
+    session = core.live(session_id)
+    if session.window is not None or (session.thinking is not None and session.thinking.config.mode != "off"):
+        return {"window_set": None}
+    size = min(max_tokens, session.context_window)
+    configure(core, session_id, size)
+    return {"window_set": {"max_tokens": size, "keep_tokens": 0, "sink_inputs": 1}}

@@ -32,7 +32,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _durability_args(serve: argparse.ArgumentParser) -> None:
-    from streamer.durability import DEFAULT_DETACH_TTL_S
+    from streamer.resume import DEFAULT_DETACH_TTL_S
 
     serve.add_argument("--store", default=os.environ.get("STREAMER_STORE", "~/.cache/streamer/state"),
                        metavar="URL", help="where event logs, snapshots and the session directory live: a "

@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamer.sessions.errors import EngineError
+from streamer.sessions.errors import Code, EngineError
 
 from .protocol import Command
+from .records import Append, Revise, Update
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,14 @@ class MediaConfig:
 class MediaStream:
     """One session's video or audio input and the single thread that feeds it in order."""
 
-    def __init__(self, ingest: Any, name: str) -> None:
-        self.ingest = ingest
+    def __init__(self, name: str) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
         self.backlog: list[asyncio.Future] = []
+        self.ingest: Any = None
 
     def close(self) -> None:
-        self.executor.submit(self.ingest.close)
+        if self.ingest is not None:
+            self.executor.submit(self.ingest.close)
         self.executor.shutdown(wait=False)
 
 
@@ -60,23 +62,52 @@ class MediaHub:
         self.send_error = send_error  # on the loop
         self.streams: dict[tuple[str, str], MediaStream] = {}
 
+    @classmethod
+    def for_peer(cls, engine, events, config: MediaConfig, peer) -> "MediaHub":
+        """The hub of one connection (`peer`): what its media streams write is logged by
+        `events` like a client's input, and their events and errors go to the peer."""
+
+        def send_event(event: str, sid: str, payload: dict) -> None:  # from stream threads
+            def send() -> None:
+                if event == "error":
+                    err = payload["error"]
+                    peer.send(peer.proto.error(err["code"], err["message"], recoverable=err["recoverable"],
+                                               session_id=sid))
+                else:
+                    peer.send(peer.proto.event(event, session_id=sid, **payload))
+
+            if not peer.closed:
+                try:
+                    peer.loop.call_soon_threadsafe(send)
+                except RuntimeError:  # the loop is gone (server shutting down): nobody to tell
+                    pass
+
+        def send_error(cmd: Command, exc: EngineError) -> None:
+            param = "payload" if exc.code in ("media_decode_error", "media_too_large") else None
+            peer.send(peer.proto.error(exc.code, exc.message, recoverable=exc.recoverable, session_id=cmd.session_id,
+                                       param=param, media_seq=cmd["seq"]))
+
+        return cls(LoggedEngine(engine, events, peer.loop), config, send_event, send_error)
+
     def submit(self, cmd: Command, loop: asyncio.AbstractEventLoop, on_done: Callable[[dict], None]) -> None:
         """Queue a media frame on its stream; `on_done(counters)` runs on the loop when it is in."""
         sid, kind = cmd.session_id, cmd["kind"]
         group = "audio" if kind == "audio" else "video"
         stream = self.streams.get((sid, group))
         if stream is None:
+            stream = MediaStream(f"{group}-{sid}")
             try:
-                stream = self.streams[(sid, group)] = MediaStream(self._open(sid, group, cmd), f"{group}-{sid}")
-            except EngineError as exc:
+                stream.ingest = self._open(sid, group, stream)
+            except (EngineError, ImportError) as exc:
+                stream.close()
+                if isinstance(exc, ImportError):  # the media extra is not installed
+                    exc = EngineError(f"{group} input needs the 'media' extra (pip install 'streamer[media]'): "
+                                      f"{exc}", code=Code.UNSUPPORTED_MEDIA)
                 self.send_error(cmd, exc)
                 return
-            except ImportError as exc:  # the media extra is not installed
-                self.send_error(cmd, EngineError(f"{group} input needs the 'media' extra "
-                                                 f"(pip install 'streamer[media]'): {exc}", code="unsupported_media"))
-                return
-            if self.config.window_tokens:
-                stream.executor.submit(self._bound, sid)
+            self.streams[(sid, group)] = stream
+            if self.config.window_tokens:  # an endless stream: a bounded cache before its media lands
+                self.engine.ensure_window(sid, self.config.window_tokens)
         fields = cmd.fields
         if group == "audio":
             job = lambda: stream.ingest.feed(fields["format"], fields["payload"], fields["seq"], fields["ts"],  # noqa: E731
@@ -101,7 +132,7 @@ class MediaHub:
             else:
                 log.error("media frame on session %s failed", sid, exc_info=exc)
                 self.send_error(cmd, EngineError(f"media frame failed: {type(exc).__name__}: {exc}",
-                                                 code="internal_error"))
+                                                 code=Code.INTERNAL_ERROR))
 
         fut.add_done_callback(done)
 
@@ -112,7 +143,7 @@ class MediaHub:
         while stream is not None and len(stream.backlog) > self.config.max_backlog:
             await asyncio.wait([stream.backlog[0]])
 
-    def _open(self, sid: str, group: str, cmd: Command):
+    def _open(self, sid: str, group: str, stream: MediaStream):
         def emit(event: str, payload: dict) -> None:
             if event == "error" and (sid, group) not in self.streams:
                 return  # the session closed behind this work: its failure is expected, not news
@@ -129,21 +160,11 @@ class MediaHub:
                 from streamer.vision.describe import FrameDescriber
 
                 encoder = FrameDescriber()
-            return VideoIngest(self.engine, sid, encoder, emit, self.config.video or VideoConfig())
+            return VideoIngest(self.engine, sid, encoder, emit, self.config.video or VideoConfig(),
+                               run=stream.executor.submit)
         from streamer.vision.ingest import AudioIngest
 
         return AudioIngest(self.engine, sid, emit, self.config.audio)
-
-    def _bound(self, sid: str) -> None:
-        """Give an unbounded session a text window before its media (an endless stream) lands."""
-        try:
-            state = self.engine.session_state(sid).result(30)
-            if state.get("window") or state["thinking"].get("mode", "off") != "off":
-                return
-            size = min(self.config.window_tokens, state["context_window"])
-            self.engine.configure_window(sid, size).result(30)
-        except Exception as exc:  # the media still flows; the context window stays the bound
-            log.warning("no text window for session %s: %s", sid, exc)
 
     def state(self, sid: str) -> dict | None:
         out = {}
@@ -162,3 +183,55 @@ class MediaHub:
     def close(self) -> None:
         for sid, _ in list(self.streams):
             self.close_session(sid)
+
+
+class LoggedEngine:
+    """The engine as the media path sees it: appends, revises and window settings made on a
+    media thread (observations, transcripts) go to the session's event log like a client's
+    inputs, in the order the engine applied them, so replay rebuilds media sessions too.
+    Everything else is the engine itself."""
+
+    def __init__(self, engine, events, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine, self._events, self._loop = engine, events, loop
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def append(self, session_id: str, text: str, then=None):
+        hook = self._events.hook(session_id, lambda r: Append(text=text, seq=r.seq, source="media"), self._loop)
+        return self._engine.append(session_id, text, then=_both(hook, then))
+
+    def revise(self, session_id: str, text: str, from_seq: int | None = None, then=None):
+        hook = self._events.hook(session_id, lambda r: Revise(text=text, from_seq=from_seq, seq=r.seq,
+                                                              source="media"), self._loop)
+        return self._engine.revise(session_id, text, from_seq, then=_both(hook, then))
+
+    def transcribe(self, session_id: str, segment: str, text: str, final: bool, then=None):
+        def record(r):  # what the engine did: appended, revised (or deleted) a partial, or nothing
+            if r is None:
+                return None
+            if r.replaced_seqs:
+                return Revise(text=text, from_seq=r.replaced_seqs[0], seq=r.seq, source="media")
+            return Append(text=text, seq=r.seq, source="media")
+
+        hook = self._events.hook(session_id, record, self._loop)
+        return self._engine.transcribe(session_id, segment, text, final, then=_both(hook, then))
+
+    def ensure_window(self, session_id: str, max_tokens: int, then=None):
+        def record(state: dict):  # logged only when it set a window
+            return Update(window=state["window_set"]) if state.get("window_set") else None
+
+        hook = self._events.hook(session_id, record, self._loop)
+        return self._engine.ensure_window(session_id, max_tokens, then=_both(hook, then))
+
+
+def _both(first, second):
+    """Two done-callbacks as one, in order (the log's first)."""
+    if second is None:
+        return first
+
+    def both(f) -> None:
+        first(f)
+        second(f)
+
+    return both

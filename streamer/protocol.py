@@ -16,29 +16,31 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamer.sessions.errors import Code
+
 # Error codes sent in `error` events. Protocol-level ones are raised here; engine ones pass
 # through from streamer.sessions.errors with the same shape.
-INVALID_JSON = "invalid_json"
-INVALID_UTF8 = "invalid_utf8"
-NOT_AN_OBJECT = "not_an_object"
-UNKNOWN_TYPE = "unknown_type"
-MISSING_FIELD = "missing_field"
-INVALID_FIELD = "invalid_field"
-UNKNOWN_FIELD = "unknown_field"
-MESSAGE_TOO_LARGE = "message_too_large"
-UNEXPECTED_BINARY = "unexpected_binary"
-TEXT_TOO_LONG = "text_too_long"
-QUESTION_TOO_LONG = "question_too_long"
-SYSTEM_PROMPT_TOO_LONG = "system_prompt_too_long"
-PATTERN_TOO_LONG = "pattern_too_long"
-FLASH_LIMIT = "flash_limit"
+INVALID_JSON = Code.INVALID_JSON
+INVALID_UTF8 = Code.INVALID_UTF8
+NOT_AN_OBJECT = Code.NOT_AN_OBJECT
+UNKNOWN_TYPE = Code.UNKNOWN_TYPE
+MISSING_FIELD = Code.MISSING_FIELD
+INVALID_FIELD = Code.INVALID_FIELD
+UNKNOWN_FIELD = Code.UNKNOWN_FIELD
+MESSAGE_TOO_LARGE = Code.MESSAGE_TOO_LARGE
+UNEXPECTED_BINARY = Code.UNEXPECTED_BINARY
+TEXT_TOO_LONG = Code.TEXT_TOO_LONG
+QUESTION_TOO_LONG = Code.QUESTION_TOO_LONG
+SYSTEM_PROMPT_TOO_LONG = Code.SYSTEM_PROMPT_TOO_LONG
+PATTERN_TOO_LONG = Code.PATTERN_TOO_LONG
+FLASH_LIMIT = Code.FLASH_LIMIT
 # Each per-field character limit has its own code (docs/limits.md lists them all).
 LIMIT_CODES = {"max_text_chars": TEXT_TOO_LONG, "max_question_chars": QUESTION_TOO_LONG,
                "max_system_prompt_chars": SYSTEM_PROMPT_TOO_LONG, "max_pattern_chars": PATTERN_TOO_LONG,
                "max_id_chars": INVALID_FIELD}
-MEDIA_HEADER_INVALID = "media_header_invalid"
-MEDIA_TOO_LARGE = "media_too_large"
-UNSUPPORTED_MEDIA = "unsupported_media"
+MEDIA_HEADER_INVALID = Code.MEDIA_HEADER_INVALID
+MEDIA_TOO_LARGE = Code.MEDIA_TOO_LARGE
+UNSUPPORTED_MEDIA = Code.UNSUPPORTED_MEDIA
 
 # Media kinds and the formats each takes on the wire ("opus": an Ogg-Opus byte stream, "aac": ADTS).
 MEDIA_FORMATS: dict[str, tuple[str, ...]] = {
@@ -54,7 +56,7 @@ class ProtocolError(Exception):
     def __init__(self, code: str, message: str, *, recoverable: bool = True,
                  reply_to: str | None = None, session_id: str | None = None, param: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code = Code(code)
         self.message = message
         self.recoverable = recoverable
         self.reply_to = reply_to
@@ -396,6 +398,28 @@ class ServerProtocol:
     def protocol_error(self, err: ProtocolError) -> str:
         return self.error(err.code, err.message, recoverable=err.recoverable, reply_to=err.reply_to,
                           session_id=err.session_id, param=err.param)
+
+
+def command(type: str, **fields: Any) -> dict[str, Any]:
+    """A client command as it goes on the wire: its `type` and fields (None values left out),
+    field names checked against the server's schema, so a client built on this module spells
+    them once (here). Raises ValueError for an unknown type or field."""
+    schema = SCHEMAS.get(type)
+    if schema is None:
+        raise ValueError(f"unknown command type {type!r}; known: {', '.join(sorted(SCHEMAS))}")
+    unknown = set(fields) - set(schema) - {"event_id"}
+    if unknown:
+        raise ValueError(f"{type} has no field {sorted(unknown)[0]!r}; its fields: {', '.join(schema)}")
+    return {"type": type, **{k: v for k, v in fields.items() if v is not None}}
+
+
+def media_header(**fields: Any) -> dict[str, Any]:
+    """The JSON header of a binary media frame, checked like `command`."""
+    unknown = set(fields) - set(MEDIA_FIELDS)
+    if unknown:
+        raise ValueError(f"a media frame header has no field {sorted(unknown)[0]!r}; its fields: "
+                         f"{', '.join(MEDIA_FIELDS)}")
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def media_frame(header: dict[str, Any], payload: bytes) -> bytes:

@@ -1,123 +1,159 @@
-"""The edge's side of durability: the connection commands and server hooks for resume,
-duplicates, the sessions list and snapshots (mixed into Connection and StreamerServer, so
-streamer/server.py keeps only the calls). The policy lives in streamer.durability.Keeper."""
+"""Sessions outliving their connection: detach, resume, recover, close.
+
+- A session whose producer disconnects is detached, not closed; it closes after `detach_ttl_s`
+  unless a producer resumes it (`session.resume` with the producer token).
+- A session not live on this worker (a restart, or an adopted session of a dead worker) is
+  recovered by replaying its log (streamer.recovery) once the token is checked against the
+  digests its log holds and this worker has claimed it in the store's directory.
+- Closing a session records a `close` in its log and releases it in the store, so its log is
+  kept only for the store's retention time.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
 
-from streamer.sessions.errors import EngineError
+from streamer.sessions.errors import Code, EngineError
 
-from .durability import Moved
-from .protocol import Command
+from .auth import ROLES, digest
+from .directory import Directory, Tracked
+from .eventlog import EventLog
+from .records import Close, Create, client_seq_of
+from .recovery import parse, replay
+from .snapshots import Snapshots
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DETACH_TTL_S = 300.0
 
 
-class ResumeCommands:
-    """Connection commands: session.resume, sessions.list, and client_seq handling."""
+class Moved(EngineError):
+    """The session is owned by another live worker."""
 
-    @staticmethod
-    def _input_record(cmd: Command, result) -> dict:
-        """An accepted append or revise as its log record (with the client's seq, if given)."""
-        record = {"kind": cmd.type.rsplit(".", 1)[-1], "text": cmd["text"], "seq": result.seq,
-                  "client_seq": cmd["client_seq"]}
-        if cmd.type == "input.text.revise":
-            record["from_seq"] = cmd["from_seq"]
-        return record
+    def __init__(self, session_id: str, owner: dict) -> None:
+        where = f" at {owner['url']}" if owner.get("url") else ""
+        super().__init__(f"session {session_id} is owned by worker {owner['worker']}{where}; connect there",
+                         code=Code.MOVED)
+        self.owner = owner
 
-    def duplicate(self, cmd: Command) -> bool:
-        """An input whose client_seq the session has already seen is acknowledged, not applied."""
-        if not self.server.keeper.check_client_seq(cmd.session_id, cmd["client_seq"]):
-            return False
-        self.send(self.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
-                                   client_seq=cmd["client_seq"], duplicate=True))
-        return True
 
-    def on_session_resume(self, cmd: Command) -> None:
-        """Re-attach a producer to a live or detached session, or recover it from its log."""
-        sid = cmd.session_id
-        if sid in self.sessions:
-            self.refuse(cmd, "invalid_field", f"this connection already produces into session {sid}")
+class Resumer:
+    def __init__(self, engine, store: Store, directory: Directory, events: EventLog, snapshots: Snapshots,
+                 detach_ttl_s: float = DEFAULT_DETACH_TTL_S, on_close: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.store = store
+        self.directory = directory
+        self.events = events
+        self.snapshots = snapshots
+        self.detach_ttl_s = detach_ttl_s
+        self.on_close = on_close  # a session closed here (the MQTT bridge stops publishing it)
+        self._recovering: dict[str, asyncio.Future] = {}
+        self.counters = {"recovered": 0, "detached_expired": 0}
+
+    def detach(self, session_id: str) -> None:
+        """Its producer went away: keep the session for `detach_ttl_s`, then close it."""
+        tracked = self.directory.get(session_id)
+        if tracked is None or self.detach_ttl_s <= 0:
+            self.close(session_id, "detached")
             return
-        task = self.loop.create_task(self._resume(cmd))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        tracked.detached_at = time.time()
+        tracked.dirty = True
 
-    async def _resume(self, cmd: Command) -> None:
-        sid, server = cmd.session_id, self.server
+        def expire() -> None:
+            if tracked.detached_at is not None and self.directory.get(session_id) is tracked:
+                self.counters["detached_expired"] += 1
+                log.info("session %s expired after %.0f s detached", session_id, self.detach_ttl_s)
+                self.close(session_id, "detached")
+
+        tracked.expiry = asyncio.get_running_loop().call_later(self.detach_ttl_s, expire)
+
+    def attach(self, session_id: str) -> Tracked:
+        tracked = self.directory.sessions[session_id]
+        if tracked.expiry is not None:
+            tracked.expiry.cancel()
+            tracked.expiry = None
+        tracked.detached_at = None
+        tracked.dirty = True
+        return tracked
+
+    def close(self, session_id: str, reason: str):
+        """Close the session here and in its log (a producer's close, or its detach TTL ran out);
+        returns the engine's future of its final state and the task that records the close."""
+        if self.on_close is not None:
+            self.on_close(session_id)
+        self.directory.forget(session_id)
+        recorded = self.events.spawn(self._record_close(session_id, reason))
+        return self.engine.close_session(session_id), recorded
+
+    async def _record_close(self, session_id: str, reason: str) -> None:
         try:
-            replayed = 0  # live here: nothing to replay
-            if sid in server.keeper.sessions:  # live here: the token must be its producer token
-                if server.tokens.role_of(sid, cmd["token"]) != "producer":
-                    raise EngineError(f"no session {sid!r} with that producer token", code="session_not_found")
-            else:
-                replayed = (await server.keeper.recover(sid, cmd["token"]))["records"]
-                if server.mqtt is not None:
-                    server.mqtt.attach(sid)
-            server.take_over(sid, self)  # one producer at a time: the newest resume wins
-            tracked = server.keeper.attach(sid)
-            self.sessions.add(sid)
-            self.listeners[sid] = self.listener(sid)
-            self.engine.add_listener(sid, self.listeners[sid])
-            state = await asyncio.wrap_future(self.engine.session_state(sid))
-        except Moved as exc:
-            self.send(self.proto.event("error", reply_to=cmd.event_id, session_id=sid, error={
-                "code": exc.code, "message": exc.message, "recoverable": True, "owner": exc.owner}))
-            return
-        except EngineError as exc:
-            self.refuse(cmd, exc.code, exc.message)
-            return
-        tracked.high_client_seq = max(tracked.high_client_seq, tracked.acked_client_seq)
-        self.send(self.proto.event("session.resumed", reply_to=cmd.event_id, session_id=sid,
-                                   last_client_seq=tracked.acked_client_seq, last_seq=state["last_seq"],
-                                   replayed_records=replayed, worker=server.keeper.store.worker_id, session=state))
+            await self.store.append(session_id, Close(ts=time.time(), reason=reason).to_json())
+            await self.store.put_snapshot(session_id, {**(await self.store.snapshot(session_id) or
+                                                          {"session_id": session_id}),
+                                                       "closed": True, "updated_at": time.time()})
+            await self.store.closed(session_id)
+            await self.store.release(session_id)
+        except Exception as exc:
+            log.warning("could not record the close of session %s: %s", session_id, exc)
 
-    def on_sessions_list(self, cmd: Command) -> None:
-        """Every session's snapshot (all workers sharing the store): needs a server credential."""
-        if not self.server.operator(self):
-            self.refuse(cmd, "unauthorized", "sessions.list needs an API key on the websocket handshake")
-            return
-        task = self.loop.create_task(self._list(cmd))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _list(self, cmd: Command) -> None:
-        store = self.server.keeper.store
-        if cmd.session_id is None:
-            snaps = await store.snapshots()
+    async def recover(self, session_id: str, token: str) -> dict:
+        """Bring a session that is not live here back from its log; returns {state, records}.
+        Raises EngineError: session_not_found (no log, closed, or a token that is not its
+        producer token), moved (a live worker owns it), replay_failed."""
+        if session_id in self._recovering:
+            return await asyncio.shield(self._recovering[session_id])
+        fut = self._recovering[session_id] = asyncio.get_running_loop().create_future()
+        try:
+            result = await self._recover(session_id, token)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: concurrent waiters re-raise it themselves
+            raise
         else:
-            snap = await store.snapshot(cmd.session_id)
-            snaps = [snap] if snap is not None else []
-        self.send(self.proto.event("sessions", reply_to=cmd.event_id, sessions=snaps,
-                                   worker=self.server.keeper.store.worker_id))
+            fut.set_result(result)
+            return result
+        finally:
+            del self._recovering[session_id]
+
+    async def _recover(self, session_id: str, token: str) -> dict:
+        not_found = EngineError(f"no session {session_id!r} with that producer token", code=Code.SESSION_NOT_FOUND)
+        raw = await self.store.read_log(session_id)
+        records = parse(raw) if raw else []
+        if not records or not isinstance(records[0], Create) or any(r.kind == "close" for r in records):
+            raise not_found
+        digests = records[0].tokens or {}
+        if set(digests) != set(ROLES) or not _is(token, digests["producer"]):
+            raise not_found
+        owner = await self.store.claim(session_id)
+        if owner is not None:
+            raise Moved(session_id, await self.store.owner(session_id) or {"worker": owner})
+        try:
+            state = await replay(self.engine, session_id, raw)
+        except BaseException:
+            if session_id in self.engine.sessions:  # a partial copy must not linger
+                self.engine.close_session(session_id)
+            await self.store.release(session_id)
+            raise
+        tracked = self.directory.restore(session_id, digests, records[0].key, client_seq_of(records))
+        self.snapshots.watch(tracked)
+        self.counters["recovered"] += 1
+        return {"state": state, "records": len(records)}
+
+    async def stop(self) -> None:
+        """The server stops: the engine's copies go; the logs stay open (no close record), so a
+        restarted or another worker recovers these sessions on resume."""
+        for sid in list(self.directory.sessions):
+            try:
+                await asyncio.wrap_future(self.engine.close_session(sid))
+            except EngineError:
+                pass  # already gone
+            self.directory.forget(sid)
 
 
-class ServerHooks:
-    """StreamerServer helpers the keeper and the commands above use."""
-
-    def operator(self, conn: ResumeCommands) -> bool:
-        """Whether the connection holds a server-level credential (any valid API key; anyone when
-        the server has no keys): it may list sessions and watch any of them read-only."""
-        return not self.config.api_keys.enabled or conn.key_name is not None
-
-    def take_over(self, session_id: str, new: ResumeCommands) -> None:
-        """A producer resumed on a new connection: the old one stops producing into it."""
-        for conn in self.connections:
-            if conn is not new and session_id in conn.sessions:
-                conn.sessions.discard(session_id)
-                listener = conn.listeners.pop(session_id, None)
-                if listener is not None:
-                    self.engine.remove_listener(session_id, listener)
-
-    def close_detached(self, session_id: str) -> None:
-        """Close a session no producer holds (detach TTL ran out, or detaching is off)."""
-        if self.mqtt is not None:
-            self.mqtt.detach(session_id)
-        self.engine.close_session(session_id)
-        self.forget(session_id)
-        self.keeper.spawn(self.keeper.forget(session_id, "detached"))
-
-    def push_snapshot(self, session_id: str, snapshot: dict) -> None:
-        """Send a session's new snapshot to the connections watching it."""
-        for conn in list(self.connections):
-            if session_id in conn.subscriptions:
-                conn.send(conn.proto.event("session.snapshot", session_id=session_id, snapshot=snapshot))
+def _is(token: str | None, want_digest: str) -> bool:
+    return bool(token) and hmac.compare_digest(digest(token).encode(), want_digest.encode())

@@ -50,3 +50,21 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.01)
+
+
+async def until(predicate, timeout: float = 60.0, what: str = "the condition"):
+    """Await `predicate()` (a function, or a coroutine function) until it returns something
+    truthy, and return that (for asyncio tests against real servers)."""
+    import asyncio
+    import inspect
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(0.02)

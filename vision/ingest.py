@@ -1,17 +1,19 @@
 """One session's video input, from binary media frames to its cache.
 
     payload pieces -> VideoDecoder (demux + decode, its own thread) -> FrameSampler (rate,
-    near-duplicates) -> LatestSlot (newest frame wins) -> encoder thread: VisionEncoder ->
-    Engine.append (text observations) or the encoder's own cache (VLM)
+    near-duplicates) -> LatestSlot (newest frame wins) -> VisionEncoder -> Engine.append with a
+    then= callback (text observations), or the encoder's own cache (VLM)
 
-`feed()` runs on a worker thread of the caller (never the event loop) and returns once the
-piece is decoded; the encoder thread takes the newest sampled frame whenever it is free, so a
-slow encoder or a busy engine drops stale frames instead of falling ever further behind
-(`live=True`, the default for cameras). With `live=False` (a file sent as fast as possible)
-`feed()` waits for the encoder instead, so no frame is dropped and the sender is slowed down.
+`feed()` runs on a worker thread of the caller (the media stream's, never the event loop) and
+returns once the piece is decoded. The newest sampled frame is encoded whenever the previous
+one's observations are in the cache, so a slow encoder or a busy engine drops stale frames
+instead of falling ever further behind (`live=True`, the default for cameras); nothing blocks on
+the engine. With `live=False` (a file sent as fast as possible) `feed()` waits for the previous
+frame instead, so no frame is dropped and the sender is slowed down.
 
-Events go out through `emit(type, payload)` from either thread: `media.observation` when an
-observation is in the cache, `error` for failures (the stream resets; the session is kept).
+Events go out through `emit(type, payload)` from the stream's thread or the engine's:
+`media.observation` when an observation is in the cache, `error` for failures (the stream
+resets; the session is kept).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from .encoder import Frame, Observation, VisionEncoder
@@ -39,7 +42,7 @@ class VideoConfig:
     dup_threshold: float = 1.5  # mean thumbnail difference (luma levels) below which a frame is a duplicate
     heartbeat_s: float = 10.0  # keep one duplicate this often, so a still scene is confirmed
     decode: DecodeLimits = field(default_factory=DecodeLimits)
-    append_timeout_s: float = 120.0  # an append the engine has not finished by then counts as failed
+    append_timeout_s: float = 120.0  # at the end of a stream: how long to wait for its last observations
 
 
 @dataclass(slots=True)
@@ -65,10 +68,19 @@ class VideoStats:
 
 
 class VideoIngest:
-    """The video (and still image) input of one session."""
+    """The video (and still image) input of one session.
+
+    Threads: `feed()` runs on the caller's worker thread (the media stream's), decodes the piece
+    and offers its sampled frames to the newest-frame slot; the newest frame is encoded at once
+    if nothing is in flight, on the same thread. Observations are appended to the session with
+    a `then=` callback, so no thread waits on the engine: when the last one is in the cache, the
+    callback (on the engine thread) hands the next waiting frame back to `run` (the stream's
+    thread). While appends are in flight, newer frames replace the waiting one: the slot is the
+    one backpressure point. `live=False` waits, on a condition, for the previous frame instead.
+    """
 
     def __init__(self, engine, session_id: str, encoder: VisionEncoder, emit: Emit,
-                 config: VideoConfig | None = None) -> None:
+                 config: VideoConfig | None = None, run: Callable[[Callable[[], None]], object] | None = None) -> None:
         self.engine = engine
         self.session_id = session_id
         self.encoder = encoder
@@ -85,11 +97,12 @@ class VideoIngest:
         self.ts0: float | None = None  # capture time of the session's first media: time 0
         self._offset = 0.0  # media time of the open container's start on the session's clock
         self._images = 0
+        self._own = None if run is not None else ThreadPoolExecutor(1, thread_name_prefix=f"encode-{session_id}")
+        self._run = run if run is not None else self._own.submit
         self._idle = threading.Condition()
-        self._busy = False
+        self._busy = False  # a frame is being encoded, or its observations are not all in the cache yet
+        self._inflight = 0  # observations handed to the engine, not yet in its cache
         self._closed = False
-        self._worker = threading.Thread(target=self._encode_loop, name=f"encode-{session_id}", daemon=True)
-        self._worker.start()
 
     # ---- feeder side (a worker thread of the caller; one piece at a time) ---------------------
 
@@ -153,58 +166,87 @@ class VideoIngest:
             if not live:
                 self.wait_idle()
             self.slot.put(frame)
+            if not live:
+                self._pump()
         self.stats.dropped = self.slot.dropped
+        self._pump()
 
-    # ---- encoder thread ------------------------------------------------------------------
+    # ---- encoding (one frame at a time, on whichever thread finds the encoder free) ------------
 
-    def _encode_loop(self) -> None:
+    def _pump(self) -> None:
+        """Encode the waiting frame if the encoder is free; frames encoded into no text go on
+        to the next waiting frame at once."""
         while True:
-            frame = self.slot.get()
-            if frame is None:
-                break
             with self._idle:
+                if self._busy:
+                    return
+                frame = self.slot.get(timeout=0)
+                if frame is None:
+                    return
                 self._busy = True
-            try:
-                self._encode(frame)
-            finally:
-                with self._idle:
-                    self._busy = False
-                    self._idle.notify_all()
-        try:
-            for obs in self.encoder.finish():
-                self._deliver(obs)
-        except Exception:
-            log.exception("encoder finish failed on session %s", self.session_id)
-        finally:
-            self.encoder.close()
+            self._encode(frame)
+            with self._idle:
+                if self._inflight:
+                    return  # the last append's callback frees the encoder
+                self._busy = False
+                self._idle.notify_all()
 
     def _encode(self, frame: Frame) -> None:
         try:
             observations = self.encoder.encode([frame])
             self.stats.encoded += 1
-            for obs in observations:
-                self._deliver(obs)
         except MediaError as exc:
             self.stats.errors += 1
             self._error(exc)
+            return
         except Exception as exc:  # a bug in an encoder must not end the stream
             log.exception("encoding a frame failed on session %s", self.session_id)
             self.stats.errors += 1
             self._error(MediaError(f"encoding frame {frame.index} failed: {type(exc).__name__}: {exc}"))
+            return
+        for obs in observations:
+            self._deliver(obs)
 
     def _deliver(self, obs: Observation) -> None:
         payload = {"start_s": round(obs.start_s, 3), "end_s": round(obs.end_s, 3), "capture_ts": obs.ts,
                    "text": obs.text, "events": obs.events or None, "frames": obs.frames,
                    "visual_tokens": obs.tokens or None, "encoder": self.encoder.name}
-        if obs.text and self.encoder.appends_text:
-            try:
-                result = self.engine.append(self.session_id, obs.text).result(self.config.append_timeout_s)
-            except Exception as exc:  # EngineError (context, budget, closed) or a timeout
-                self.stats.errors += 1
-                self._error(exc)
-                return
+        if not (obs.text and self.encoder.appends_text):
+            self._observed(obs, payload)
+            return
+        with self._idle:
+            self._inflight += 1
+        try:
+            self.engine.append(self.session_id, obs.text, then=lambda f: self._appended(obs, payload, f))
+        except Exception as exc:  # the engine refused synchronously (it is stopping)
+            self._appended(obs, payload, _failed(exc))
+
+    def _appended(self, obs: Observation, payload: dict, f) -> None:
+        """An observation's append finished (on the engine thread, or inline when refused)."""
+        exc = None if not f.cancelled() else MediaError("the append was cancelled")
+        exc = exc or f.exception()
+        if exc is not None:  # EngineError (context, budget, closed)
+            self.stats.errors += 1
+            self._error(exc)
+        else:
+            result = f.result()
             payload.update(seq=result.seq, tokens=result.tokens, total_tokens=result.total_tokens,
                            data_version=result.data_version)
+            self._observed(obs, payload)
+        with self._idle:
+            self._inflight -= 1
+            if self._inflight:
+                return
+            self._busy = False
+            self._idle.notify_all()
+            more = self.slot.pending and not self._closed
+        if more:
+            try:
+                self._run(self._pump)
+            except RuntimeError:  # the stream's thread is shutting down
+                pass
+
+    def _observed(self, obs: Observation, payload: dict) -> None:
         self.stats.tokens += obs.tokens
         self.stats.observations += 1
         lag = max(0.0, time.time() - obs.ts)
@@ -220,25 +262,38 @@ class VideoIngest:
     # ---- control ---------------------------------------------------------------------------
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until no frame waits and the encoder is not busy."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Wait until no frame waits and every observation made is in the cache."""
         with self._idle:
-            while self._busy or self.slot.pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(0.05 if left is None else min(left, 0.05))
-        return True
+            return self._idle.wait_for(lambda: not self._busy and not self.slot.pending, timeout)
 
     def state(self) -> dict:
         return {"stream": self.fmt, "last_seq": self.last_seq, **self.stats.public(),
                 **self.encoder.state()}
 
     def close(self) -> None:
+        """The stream ends: the waiting frame is encoded, what the encoder holds back is flushed
+        (its observations are appended), and the encoder is released."""
         self._closed = True
         if self.decoder is not None:
             self.decoder.close()
-        self.slot.close()
+        self._pump()
+        self.wait_idle(self.config.append_timeout_s)
+        try:
+            for obs in self.encoder.finish():
+                self._deliver(obs)
+        except Exception:
+            log.exception("encoder finish failed on session %s", self.session_id)
+        finally:
+            self.encoder.close()
+            self.slot.close()
+            if self._own is not None:
+                self._own.shutdown(wait=False)
+
+
+def _failed(exc: BaseException) -> Future:
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
 
 
 class AudioIngest:
@@ -259,6 +314,7 @@ class AudioIngest:
         self.rate: tuple[int | None, int | None] = (None, None)
         self.last_seq = -1
         self.pieces = self.bytes = self.transcripts = self.errors = 0
+        self.write_errors = 0  # transcripts the engine refused (counted on the engine thread)
         self._closed = False
 
     def feed(self, fmt: str, payload: bytes, seq: int, ts: float, sample_rate: int | None = None,
@@ -308,21 +364,28 @@ class AudioIngest:
         return self.counters()
 
     def _apply(self, transcript) -> None:
-        try:
-            result = self.sink.apply(transcript)
-        except Exception as exc:  # an engine error on one transcript; the stream goes on
-            self.errors += 1
-            self.emit("error", {"error": {"code": getattr(exc, "code", "media_error"), "message": str(exc),
-                                          "recoverable": getattr(exc, "recoverable", True)}})
-            return
-        self.transcripts += 1
-        self.emit("media.transcript", {
-            "text": transcript.text, "start_s": round(transcript.start_s, 3), "end_s": round(transcript.end_s, 3),
-            "final": transcript.final, "segment": transcript.segment,
-            "seq": getattr(result, "seq", None), "data_version": getattr(result, "data_version", None)})
+        """Hand one transcript to the sink; its event goes out once the engine has written it."""
+
+        def written(f) -> None:  # engine thread
+            exc = None if f.cancelled() else f.exception()
+            if f.cancelled() or exc is not None:
+                self.write_errors += 1
+                if exc is not None:
+                    self.emit("error", {"error": {"code": getattr(exc, "code", "media_error"), "message": str(exc),
+                                                  "recoverable": getattr(exc, "recoverable", True)}})
+                return
+            result = f.result()
+            self.transcripts += 1
+            self.emit("media.transcript", {
+                "text": transcript.text, "start_s": round(transcript.start_s, 3), "end_s": round(transcript.end_s, 3),
+                "final": transcript.final, "segment": transcript.segment,
+                "seq": getattr(result, "seq", None), "data_version": getattr(result, "data_version", None)})
+
+        self.sink.apply(transcript, then=written)
 
     def counters(self) -> dict:
-        return {"pieces": self.pieces, "bytes": self.bytes, "transcripts": self.transcripts, "errors": self.errors}
+        return {"pieces": self.pieces, "bytes": self.bytes, "transcripts": self.transcripts,
+                "errors": self.errors + self.write_errors}
 
     def state(self) -> dict:
         return {"stream": self.fmt, "last_seq": self.last_seq, **self.counters()}

@@ -37,6 +37,7 @@ import torch
 from streamer.sessions.errors import ContextOverflow
 from streamer.sessions.framing import Framing
 from streamer.sessions.kvcache import KVCache, KVShape
+from streamer.sessions.rope import rotate_keys
 from streamer.sessions.runner import ATTENTION_NAME, SeqStep, StepMetadata, register_attention
 from streamer.sessions.sampling import stop_token_ids
 
@@ -370,24 +371,11 @@ class VLMStream:
         for span in self.spans:
             shift = span.base - pos
             if shift:
-                self._rotate_keys(span.start, span.length, -shift, inv_freq)
+                rotate_keys(self.cache, span.start, span.length, -shift, inv_freq)
                 span.positions = span.positions - shift
             pos += span.extent
         self.next_pos = pos
         self.stats.reanchors += 1
-
-    def _rotate_keys(self, start: int, length: int, delta: int, inv_freq: torch.Tensor) -> None:
-        """Move cached keys at slots `[start, start + length)` by `delta` positions (all three
-        M-RoPE components alike: a plain RoPE rotation). Values carry no position."""
-        angle = delta * inv_freq
-        cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32)
-        sin = torch.cat([angle.sin(), angle.sin()]).to(torch.float32)
-        half = cos.shape[0] // 2
-        for layer in range(self.cache.shape.layers):
-            keys = self.cache.layer(layer)[0][:, start:start + length]
-            k = keys.float()
-            rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-            keys.copy_((k * cos + rotated * sin).to(keys.dtype))
 
     # -- state -----------------------------------------------------------------------------
 

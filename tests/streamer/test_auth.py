@@ -1,6 +1,5 @@
 """API keys and per-session capability tokens over a real socket."""
 
-import asyncio
 
 import pytest
 from websockets.exceptions import InvalidStatus
@@ -8,6 +7,7 @@ from websockets.exceptions import InvalidStatus
 from streamer.auth import ApiKeys, KeysFileError, SessionTokens, key_from_request
 from streamer.server import ServerConfig
 
+from helpers import until
 from wsutil import check_error, raw, serve
 
 KEY_A = "alpha-key-0123456789"
@@ -91,11 +91,7 @@ def test_sessions_per_key_limit(tiny_engine):
         await a2.create()  # closing gave the slot back
         await a1.ws.close()
         await a2.ws.close()
-        for _ in range(100):  # connection gone: its sessions close and release the key
-            if server.sessions_by_key.get("a", 0) == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert server.sessions_by_key.get("a", 0) == 0
+        await until(lambda: server.directory.held("a") == 0, 5, "the key's sessions to close")  # connection gone
         a3 = await raw(url, api_key=KEY_A)
         await a3.create()
         await a3.ws.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import connect
+from helpers import until
 from wsutil import check_error, raw, serve
 
 from streamer.auth import ApiKeys
@@ -79,18 +80,15 @@ def test_read_only_tokens_and_operator_credential(tiny_engine):
 async def devtools_page(chromium_dir: str):
     """The websocket URL of the page target of a Chromium started with a debugging port."""
     port_file = Path(chromium_dir) / "DevToolsActivePort"
-    for _ in range(600):
-        if port_file.exists() and port_file.read_text().strip():
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: port_file.exists() and port_file.read_text().strip(), 30, "Chromium's DevTools port")
     port = int(port_file.read_text().split()[0])
-    for _ in range(200):
+
+    async def page():
         _, _, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/json/list")
         pages = [t for t in json.loads(body) if t["type"] == "page"]
-        if pages:
-            return pages[0]["webSocketDebuggerUrl"]
-        await asyncio.sleep(0.05)
-    raise AssertionError("no page target in Chromium")
+        return pages[0]["webSocketDebuggerUrl"] if pages else None
+
+    return await until(page, 10, "a page target in Chromium")
 
 
 class DevTools:
@@ -110,14 +108,18 @@ class DevTools:
         result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
         return result["result"].get("value")
 
-    async def wait_for(self, expression, want, tries=1200):
-        value = None
-        for _ in range(tries):
-            value = await self.eval(expression)
-            if value == want:
-                return value
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"{expression} is {value!r}, expected {want!r}")
+    async def wait_for(self, expression, want, timeout=60):
+        seen = []
+
+        async def matches():
+            seen[:] = [await self.eval(expression)]
+            return seen[0] == want
+
+        try:
+            await until(matches, timeout, f"{expression} to be {want!r}")
+        except AssertionError:
+            raise AssertionError(f"{expression} is {seen[0]!r}, expected {want!r}") from None
+        return want
 
 
 @pytest.mark.embedded
@@ -191,11 +193,9 @@ def test_chromium_shows_a_live_session(embedded):
 
 
 async def flash_current(peer, sid, version):
-    for _ in range(2400):
-        state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
-        q = state["flash"][0]
-        if q.get("data_version", -1) >= version:
-            return q
-        await asyncio.sleep(0.05)
-    raise AssertionError("flash answer never caught up")
+    async def caught_up():
+        q = (await peer.request({"type": "session.get", "session_id": sid}))["session"]["flash"][0]
+        return q if q.get("data_version", -1) >= version else None
+
+    return await until(caught_up, 120, f"the flash answer of data_version {version}")
 

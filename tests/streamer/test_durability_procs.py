@@ -14,6 +14,7 @@ import asyncio
 import pytest
 from procutil import ServerProcess
 from redisutil import redis_server, redis_url  # noqa: F401  (fixtures)
+from helpers import until
 from wsutil import raw
 
 from streamer.store import FileStore, open_store
@@ -37,12 +38,13 @@ QUESTION = "Who fixed the engine, and how?"
 
 
 async def flash_at(peer, sid, version):
-    for _ in range(6000):
+    async def reached():
         state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
         if all(q.get("data_version", -1) >= version for q in state["flash"]):
             return {q["flash_id"]: (q["answer"], q["data_version"]) for q in state["flash"]}
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"flash answers never reached data_version {version}")
+        return None
+
+    return await until(reached, 300, f"flash answers of data_version {version}")
 
 
 async def ask(peer, sid):

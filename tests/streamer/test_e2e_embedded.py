@@ -9,6 +9,7 @@ import urllib.request
 from importlib import resources
 
 import pytest
+from helpers import wait_until
 from wsutil import serve
 
 from streamer.clients.client import StreamerClient
@@ -117,12 +118,8 @@ def test_flash_on_embedded_model(embedded_engine):
         engine.append(sid, p)
     engine.append(sid, " ").result()
     session = engine.sessions[sid]
-    import time
-
-    deadline = time.time() + 120
-    while any(q.evaluated_version < session.data_version for q in session.flash.values()):
-        assert time.time() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: all(q.evaluated_version >= session.data_version for q in session.flash.values()), 120,
+               "the flash answers of the last version")
     for q in session.flash.values():
         fresh = engine.query(sid, q.question, SamplingParams(max_tokens=16, stop=["\x00never"])).future.result()
         assert not fresh.cached and fresh.tokens == q.answer.tokens, (q.question, fresh.text, q.answer.text)

@@ -1,8 +1,7 @@
 """Flash questions over the websocket: registration, pushes to producer and subscribers,
 cached answers, and the errors around them."""
 
-import asyncio
-
+from helpers import until
 from wsutil import check_error, next_of, raw, serve
 
 
@@ -34,12 +33,13 @@ def test_flash_pushes_to_producer_and_subscriber_and_serves_cached_answers(tiny_
             assert pushed["flash_id"] == fid
 
         await producer.request({"type": "input.text.append", "session_id": sid, "text": "Ada keeps it."})
-        for _ in range(200):  # wait until the answer is current for the new data
+
+        async def current():  # the answer is current for the new data
             state = (await producer.request({"type": "session.get", "session_id": sid}))["session"]
             keeper = next(f for f in state["flash"] if f["flash_id"] == "keeper")
-            if keeper.get("data_version") == 1:
-                break
-            await asyncio.sleep(0.02)
+            return keeper if keeper.get("data_version") == 1 else None
+
+        keeper = await until(current, what="the flash answer of data_version 1")
         await producer.send({"type": "query.create", "session_id": sid, "question": "who keeps the light",
                              "max_tokens": 8})
         done = await next_of(producer, "query.done")
@@ -60,6 +60,7 @@ def test_flash_pushes_to_producer_and_subscriber_and_serves_cached_answers(tiny_
 def test_bad_flash_registrations(tiny_engine):
     async def test(url, server):
         peer = await raw(url)
+        before = set(tiny_engine.sessions)
         err = check_error(await peer.request({"type": "session.create", "flash": [{"question": "q", "bogus": 1}]}),
                           "unknown_field")
         assert "flash[0]" in err["message"]
@@ -67,7 +68,7 @@ def test_bad_flash_registrations(tiny_engine):
         check_error(await peer.request({"type": "session.create", "flash": [{"max_tokens": 3}]}), "missing_field")
         err = check_error(await peer.request({"type": "session.create", "flash": [
             {"question": "Same?"}, {"question": "same"}]}), "flash_duplicate")
-        assert not tiny_engine.sessions or all(not s.flash for s in tiny_engine.sessions.values())
+        assert set(tiny_engine.sessions) == before  # every refused creation left no session behind
         sid = await peer.create()
         check_error(await peer.request({"type": "flash.register", "session_id": sid, "question": "q",
                                         "max_tokens": 1000}), "max_tokens_too_large")

@@ -9,6 +9,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from streamer.protocol import ProtocolLimits
+from helpers import until
 from wsutil import Raw, check_error, raw, serve
 
 
@@ -190,14 +191,11 @@ def test_slow_consumer_is_dropped(limited_engine, role, caplog):
         try:
             for i in range(3000):  # replies it never reads
                 await asyncio.wait_for(slow.send({"type": "session.get", "session_id": target}), 5)
-                conns = [c for c in server.connections if c.outbox_bytes]
-                peak = max([peak, *[c.outbox_bytes for c in conns]])
+                conns = [c for c in server.connections if c.outbox.bytes]
+                peak = max([peak, *[c.outbox.bytes for c in conns]])
         except (ConnectionClosed, asyncio.TimeoutError):
             pass
-        for _ in range(100):
-            if server.edge["slow_consumers_dropped"]:
-                break
-            await asyncio.sleep(0.1)
+        await until(lambda: server.edge["slow_consumers_dropped"], 10, "the slow consumer to be dropped")
         assert server.edge["slow_consumers_dropped"] == 1
         assert peak <= server.config.outbox_max_bytes
         assert "slow_consumer" in caplog.text

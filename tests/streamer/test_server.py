@@ -5,6 +5,7 @@ import asyncio
 import json
 import urllib.request
 
+from helpers import until
 from wsutil import check_error, raw, serve
 
 from streamer.clients.client import StreamerClient, StreamerError
@@ -230,11 +231,7 @@ def test_sessions_belong_to_their_connection_and_close_with_it(tiny_engine):
         sid = await owner.create()
         check_error(await stranger.request({"type": "session.get", "session_id": sid}), "session_not_found")
         await owner.ws.close()
-        for _ in range(100):
-            if sid not in tiny_engine.sessions:
-                break
-            await asyncio.sleep(0.05)
-        assert sid not in tiny_engine.sessions
+        await until(lambda: sid not in tiny_engine.sessions, 5, "the closed connection's session to close")
 
     serve(tiny_engine, test, detach_ttl_s=0)  # 0: no detaching (resume: tests/streamer/test_durability.py)
 

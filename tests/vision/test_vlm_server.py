@@ -5,16 +5,13 @@ appended to the session), and the session state shows the stream."""
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("av")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "streamer"))
 from videogen import encode_image, encode_video  # noqa: E402
 from wsutil import raw, serve  # noqa: E402
 

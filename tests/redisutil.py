@@ -5,13 +5,13 @@ and deletes its keys after (never FLUSHALL)."""
 import shutil
 import socket
 import subprocess
-import time
 import uuid
 
 import pytest
+from helpers import wait_until
 
 
-def _answers(port: int) -> bool:
+def answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
@@ -23,7 +23,7 @@ def _answers(port: int) -> bool:
 @pytest.fixture(scope="session")
 def redis_server():
     """host:port of a running Redis."""
-    if _answers(6379):
+    if answers(6379):
         yield "127.0.0.1:6379"
         return
     binary = shutil.which("redis-server")
@@ -35,10 +35,7 @@ def redis_server():
     proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):
-            if _answers(port):
-                break
-            time.sleep(0.05)
+        wait_until(lambda: answers(port), 5, "the private redis-server")
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()

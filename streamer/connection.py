@@ -1,0 +1,266 @@
+"""One websocket connection: the receive loop, and running what the command handlers answer.
+
+Frames are parsed by the sans-I/O protocol and handed to the command table (streamer.handlers)
+in arrival order; engine calls only enqueue, so a busy model never blocks this loop. Replies
+that wait on the engine or the store run in small tasks, and every outbound event goes through
+the connection's one ordered `Outbox`.
+
+Limits: after a frame parses, the message and byte rate buckets, then the shutdown check.
+Backpressure: reading pauses while the client's commands wait on the engine beyond
+`max_inflight`, or its undelivered events pass the outbox's high watermark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import socket
+import time
+
+from websockets.asyncio.server import ServerConnection
+
+from streamer.sessions.errors import EngineError
+
+from .handlers import HANDLERS, Await, Peer, Services
+from .outbox import Outbox
+from .protocol import Command, ProtocolError, ServerProtocol
+
+log = logging.getLogger(__name__)
+
+
+class InvalidText:
+    """What `recv` returns for a text frame that is not UTF-8 (the frame is consumed)."""
+
+    def __init__(self, exc: UnicodeDecodeError) -> None:
+        self.exc = exc
+
+
+class LenientConnection(ServerConnection):
+    """RFC 6455 says a text frame with invalid UTF-8 fails the connection (1007). A session
+    holds accepted data and live state that a client bug should not cost, so we answer with an
+    `invalid_utf8` error event instead and keep the connection; everything else is unchanged."""
+
+    async def recv(self, decode: bool | None = None):
+        try:
+            return await self.recv_messages.get(decode)
+        except UnicodeDecodeError as exc:
+            return InvalidText(exc)
+        except EOFError:  # closed: surface it exactly like the base class does
+            await asyncio.shield(self.connection_lost_waiter)
+            raise self.close_exc from None
+
+
+class TokenBucket:
+    """A sustained rate with a burst allowance."""
+
+    __slots__ = ("rate", "burst", "level", "stamp")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst, self.level, self.stamp = rate, burst, float(burst), time.monotonic()
+
+    def take(self, amount: float = 1.0) -> bool:
+        now = time.monotonic()
+        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.level < amount:
+            return False
+        self.level -= amount
+        return True
+
+
+class Connection:
+    """One client connection: a `Peer` for the handlers, its outbox, its receive loop."""
+
+    def __init__(self, ws: ServerConnection, svc: Services, key_name: str | None, media=None,
+                 shutting_down=lambda: False) -> None:
+        cfg = svc.config
+        self.ws, self.svc, self.config = ws, svc, cfg
+        self.proto = ServerProtocol(cfg.protocol)
+        self.loop = asyncio.get_running_loop()
+        self.outbox = Outbox(ws, self.proto, cfg, self.update_reading, self._dropped)
+        self.peer = Peer(self.proto, self.outbox.send, self.loop, key_name)
+        self.peer.media = media(self.peer) if media is not None else None
+        self.shutting_down = shutting_down
+        self.inflight = 0
+        self.reading = asyncio.Event()  # cleared while backpressure pauses reading
+        self.reading.set()
+        self.messages = TokenBucket(cfg.messages_per_s, cfg.messages_burst)
+        self.bytes_in = TokenBucket(cfg.bytes_per_s, max(cfg.bytes_burst, cfg.max_frame_bytes))
+        self.last_message = time.monotonic()
+        self.tasks: set[asyncio.Task] = set()
+        if cfg.send_buffer_bytes and ws.transport is not None:
+            sock = ws.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.send_buffer_bytes)
+
+    def send(self, text: str) -> None:
+        self.outbox.send(text)
+
+    def _dropped(self, code: str) -> None:
+        self.svc.edge["slow_consumers_dropped" if code == "slow_consumer" else "idle_closed"] += 1
+
+    def update_reading(self) -> None:
+        cfg = self.config
+        if self.outbox.congested or self.inflight > cfg.max_inflight:
+            if self.reading.is_set():
+                self.svc.edge["backpressure_pauses"] += 1
+            self.reading.clear()
+        elif self.inflight <= cfg.max_inflight // 2:
+            self.reading.set()
+
+    async def watchdog(self) -> None:
+        """Slow consumers and idle connections, checked a few times a second."""
+        cfg, peer = self.config, self.peer
+        while self.outbox.dropping is None:
+            await asyncio.sleep(min(0.25, cfg.slow_consumer_s / 4, cfg.idle_timeout_s / 4))
+            now = time.monotonic()
+            self.outbox.check_slow(now)
+            if (self.outbox.dropping is None and not peer.sessions and not peer.subscriptions
+                    and now - self.last_message > cfg.idle_timeout_s):
+                self.outbox.drop("idle_timeout", f"no message for {cfg.idle_timeout_s:g} s and no session or "
+                                 "subscription", close_code=1000)
+
+    # ---- the receive loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        writer = self.loop.create_task(self.outbox.writer())
+        watchdog = self.loop.create_task(self.watchdog())
+        try:
+            while True:
+                if not self.reading.is_set():  # backpressure; a close still ends the wait
+                    resumed = self.loop.create_task(self.reading.wait())
+                    closed = self.loop.create_task(self.ws.wait_closed())
+                    await asyncio.wait({resumed, closed}, return_when=asyncio.FIRST_COMPLETED)
+                    resumed.cancel()
+                    closed.cancel()
+                frame = await self.ws.recv()
+                self.last_message = time.monotonic()
+                if self.outbox.dropping is None:
+                    await self.receive(frame)
+        finally:
+            watchdog.cancel()
+            if self.outbox.dropping is None:
+                writer.cancel()
+            else:  # let the writer tell the client why, then close
+                await asyncio.wait({writer}, timeout=5)
+                writer.cancel()
+
+    async def receive(self, frame) -> None:
+        """One frame: parse it, check the limits, hand it to its handler."""
+        if isinstance(frame, InvalidText):
+            self.send(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
+            return
+        try:
+            if isinstance(frame, str):
+                cmd = self.proto.receive_text(frame)
+            elif self.peer.media is None:
+                cmd = self.proto.refuse_binary(frame)
+            else:
+                cmd = self.proto.receive_binary(frame)
+        except ProtocolError as err:
+            self.send(self.proto.protocol_error(err))
+            return
+        refusal = self.refusal(cmd, len(frame))
+        if refusal is not None:
+            self.send(refusal)
+            return
+        self.dispatch(cmd)
+        if cmd.type == "media" and self.peer.media is not None:
+            await self.peer.media.throttle(cmd)
+
+    def refusal(self, cmd: Command, size: int) -> str | None:
+        """The error for a command refused before any work: rates, shutdown."""
+        cfg = self.config
+        if not self.messages.take():
+            self.svc.edge["rate_limited"] += 1
+            return self.proto.error("rate_limited", f"more than {cfg.messages_per_s:g} messages/s (burst "
+                                    f"{cfg.messages_burst}) on this connection; the message was not processed",
+                                    reply_to=cmd.event_id, session_id=cmd.session_id)
+        if not self.bytes_in.take(size):
+            self.svc.edge["rate_limited"] += 1
+            return self.proto.error("byte_rate_limited", f"more than {cfg.bytes_per_s:g} bytes/s on this "
+                                    "connection; the message was not processed",
+                                    reply_to=cmd.event_id, session_id=cmd.session_id)
+        if self.shutting_down():
+            return self.proto.error("shutting_down", "the server is shutting down; reconnect later",
+                                    recoverable=False, reply_to=cmd.event_id, session_id=cmd.session_id)
+        return None
+
+    def dispatch(self, cmd: Command) -> None:
+        """Run the command's handler and what it answers."""
+        try:
+            outcome = HANDLERS[cmd.type](cmd, self.peer, self.svc)
+        except Exception as exc:
+            self.send(self.error_for(cmd, exc))
+            return
+        if isinstance(outcome, str):
+            self.send(outcome)
+        elif isinstance(outcome, Await):
+            self.spawn(self.finish(cmd, outcome))
+        elif inspect.iscoroutine(outcome):
+            self.spawn(self.later(cmd, outcome))
+
+    def error_for(self, cmd: Command, exc: BaseException) -> str:
+        """An `error` event answering `cmd`: the engine's or a refusal's code, or internal_error
+        for a bug (logged; the connection keeps serving)."""
+        if isinstance(exc, EngineError):
+            return self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, reply_to=cmd.event_id,
+                                    session_id=cmd.session_id)
+        log.error("%s failed", cmd.type, exc_info=exc)
+        return self.proto.error("internal_error", f"{cmd.type} failed: {exc}", reply_to=cmd.event_id,
+                                session_id=cmd.session_id)
+
+    def spawn(self, coro) -> None:
+        task = self.loop.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def finish(self, cmd: Command, outcome: Await) -> None:
+        """Wait for the engine's future (and the log write of the change), then reply."""
+        self.inflight += 1
+        if self.inflight > self.config.max_inflight:
+            self.update_reading()
+        try:
+            # shielded: a connection that goes away must not cancel the engine's future (the
+            # engine finishes the work; sessions made after their client left are closed)
+            result = await asyncio.shield(asyncio.wrap_future(outcome.future))
+            if outcome.durable is not None:
+                await asyncio.shield(outcome.durable)
+            reply = outcome.reply(result)
+            if inspect.isawaitable(reply):
+                reply = await asyncio.shield(reply)
+        except Exception as exc:
+            self.send(self.error_for(cmd, exc))
+        else:
+            self.send(reply)
+        finally:
+            self.inflight -= 1
+            if not self.reading.is_set():
+                self.update_reading()
+
+    async def later(self, cmd: Command, coro) -> None:
+        try:
+            reply = await coro
+        except Exception as exc:
+            self.send(self.error_for(cmd, exc))
+        else:
+            if reply is not None:
+                self.send(reply)
+
+    async def cleanup(self, detach) -> None:
+        """The client is gone: stop its work and listeners; its sessions are detached."""
+        peer, engine = self.peer, self.svc.engine
+        peer.closed = True
+        if peer.media is not None:
+            peer.media.close()
+        for task in list(self.tasks):
+            task.cancel()
+        for handle in peer.queries.values():
+            handle.cancel()
+        for sid, listener in peer.subscriptions.items():
+            engine.remove_listener(sid, listener)
+        peer.subscriptions.clear()
+        for sid in list(peer.sessions):
+            peer.stop_producing(engine, sid)
+            detach(sid)

@@ -1,0 +1,195 @@
+"""The event log's records: what a session accepted, in the order the engine applied it.
+
+One dataclass per kind, each with `to_json` / `from_json` (the store keeps JSON objects with a
+`kind`; the store adds `n`, its position, and the log adds `ts`) and one `apply(engine,
+session_id)` that makes the same change again (replay, streamer.recovery). `check(result)`
+compares what a replayed change produced with what was logged (the seq of an input), so a log
+that does not replay exactly is refused instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from streamer.sessions.errors import Code, EngineError
+
+FLASH_KEYS = ("question", "flash_id", "max_tokens", "priority", "min_interval_s", "confirm")
+
+
+class ReplayError(EngineError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=Code.REPLAY_FAILED, recoverable=False)
+
+
+@dataclass(slots=True, kw_only=True)
+class Record:
+    kind: ClassVar[str] = "record"
+    ts: float | None = None  # when it was logged
+    n: int | None = None  # its position in the log (1-based), set by the store
+
+    def to_json(self) -> dict[str, Any]:
+        body = {k: v for k, v in asdict(self).items() if v is not None and k != "n"}
+        return {"kind": self.kind, **body}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "Record":
+        kind = data.get("kind")
+        cls = KINDS.get(kind)
+        if cls is None:
+            raise ReplayError(f"unknown record kind {kind!r} at position {data.get('n')}")
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:
+            raise ReplayError(f"record {data.get('n')} ({kind}) is malformed: {exc}") from None
+
+    def apply(self, engine, session_id: str, then_: Callable[[Future], None] | None = None) -> Future:
+        """Make this change on `engine`; a future of the engine's result. `then_` is attached to
+        that future before any work is queued (the event log's callback)."""
+        raise NotImplementedError
+
+    def check(self, result: Any) -> None:
+        """Raise ReplayError if the replayed change differs from the logged one."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Create(Record):
+    kind: ClassVar[str] = "create"
+    system_prompt: str | None = None
+    thinking: dict | None = None
+    window: dict | None = None
+    flash: list[dict] = field(default_factory=list)  # registrations with the ids they got
+    tokens: dict | None = None  # capability token digests by role
+    key: str | None = None  # the API key name that created it
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        if not self.window:
+            return engine.create_session(self.system_prompt, session_id, self.flash or None, self.thinking, then=then_)
+        created = engine.create_session(self.system_prompt, session_id, self.flash or None, self.thinking)
+        return then(created, lambda _: engine.configure_window(session_id, **self.window), then_)
+
+
+@dataclass(slots=True, kw_only=True)
+class Append(Record):
+    kind: ClassVar[str] = "append"
+    text: str
+    seq: int | None = None  # the input seq the engine gave it
+    client_seq: int | None = None
+    source: str | None = None  # "media": an observation or transcript made on the server
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        return engine.append(session_id, self.text, then=then_)
+
+    def check(self, result: Any) -> None:
+        if result.seq != self.seq:
+            raise ReplayError(f"record {self.n} ({self.kind}) replayed as seq {result.seq}, logged as seq {self.seq}")
+
+
+@dataclass(slots=True, kw_only=True)
+class Revise(Append):
+    kind: ClassVar[str] = "revise"
+    from_seq: int | None = None
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        return engine.revise(session_id, self.text, self.from_seq, then=then_)
+
+
+@dataclass(slots=True, kw_only=True)
+class End(Record):
+    kind: ClassVar[str] = "end"
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        return engine.end_input(session_id, then=then_)
+
+
+@dataclass(slots=True, kw_only=True)
+class FlashRegister(Record):
+    kind: ClassVar[str] = "flash.register"
+    question: str
+    flash_id: str
+    max_tokens: int | None = None
+    priority: int | None = None
+    min_interval_s: float | None = None
+    confirm: int | None = None
+
+    @classmethod
+    def of(cls, args: dict, state: dict) -> "FlashRegister":
+        """A registration as logged: its arguments with the id the engine gave it."""
+        return cls(**{k: v for k, v in args.items() if k in FLASH_KEYS and k != "flash_id"}, flash_id=state["flash_id"])
+
+    def arguments(self) -> dict:
+        return {k: getattr(self, k) for k in FLASH_KEYS if getattr(self, k) is not None}
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        return engine.register_flash(session_id, **self.arguments(), then=then_)
+
+
+@dataclass(slots=True, kw_only=True)
+class FlashUnregister(Record):
+    kind: ClassVar[str] = "flash.unregister"
+    flash_id: str
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        return engine.unregister_flash(session_id, self.flash_id, then=then_)
+
+
+@dataclass(slots=True, kw_only=True)
+class Update(Record):
+    kind: ClassVar[str] = "update"
+    thinking: dict | None = None
+    window: dict | None = None
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        if self.thinking is None:
+            return engine.configure_window(session_id, **self.window, then=then_)
+        if not self.window:
+            return engine.configure_thinking(session_id, self.thinking, then=then_)
+        done = engine.configure_thinking(session_id, self.thinking)
+        return then(done, lambda _: engine.configure_window(session_id, **self.window), then_)
+
+
+@dataclass(slots=True, kw_only=True)
+class Close(Record):
+    kind: ClassVar[str] = "close"
+    reason: str | None = None
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        raise ReplayError(f"session {session_id} was closed")
+
+
+KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (Create, Append, Revise, End, FlashRegister,
+                                                            FlashUnregister, Update, Close)}
+
+
+def then(first: Future, make_second, done: Callable[[Future], None] | None = None) -> Future:
+    """A future for `make_second(first's result)`, or first's error; `done` is attached to it
+    before anything can resolve it."""
+    out: Future = Future()
+    if done is not None:
+        out.add_done_callback(done)
+
+    def relay(src: Future) -> None:
+        if src.exception() is not None:
+            out.set_exception(src.exception())
+        else:
+            out.set_result(src.result())
+
+    def step(f: Future) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+            return
+        try:
+            make_second(f.result()).add_done_callback(relay)
+        except Exception as exc:
+            out.set_exception(exc)
+
+    first.add_done_callback(step)
+    return out
+
+
+def client_seq_of(records: list[Record]) -> int:
+    """The highest client seq the log holds (0: none): the client resends what is above it."""
+    return max((getattr(r, "client_seq", None) or 0 for r in records), default=0)

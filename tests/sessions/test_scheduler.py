@@ -1,0 +1,83 @@
+"""The scheduling policy on plain jobs, without a model: `Scheduler.schedule` reads jobs and
+returns a plan, and changes nothing."""
+
+from types import SimpleNamespace
+
+from streamer.sessions.jobs import Job, Priority
+from streamer.sessions.scheduler import Scheduler
+
+
+class Plain(Job):
+    """A job that wants a fixed number of tokens; `joins` as given."""
+
+    def __init__(self, name, priority, want, order, waited=0.0, background=False, joins=False, now=1000.0):
+        super().__init__(SimpleNamespace(id=name))
+        self.name, self.priority, self._want, self.order = name, priority, want, order
+        self.background, self.joins = background, joins
+        self.waiting_since = now - waited
+
+    def want(self):
+        return self._want
+
+
+def names(plan):
+    return [(e.job.name, e.tokens, e.after.name if e.after else None) for e in plan.entries]
+
+
+def schedule(heads, followers=None, **kw):
+    return Scheduler(**kw).schedule(heads, followers or (lambda job: []), 1000.0)
+
+
+def test_priority_then_arrival_within_the_budget():
+    plan = schedule([Plain("ingest", Priority.INGEST, 300, 1), Plain("flash", Priority.FLASH, 100, 2),
+                     Plain("think", Priority.THINKING, 300, 3)], step_tokens=512)
+    assert names(plan) == [("ingest", 300, None), ("think", 212, None)]  # flash waits: the budget is spent
+    assert plan.tokens == 512
+
+
+def test_a_question_keeps_the_step_short():
+    query = Plain("q", Priority.QUERY, 1, 5)
+    plan = schedule([Plain("ingest", Priority.INGEST, 400, 1), query], step_tokens=512, query_step_tokens=64)
+    assert plan.budget == 64 and names(plan) == [("q", 1, None), ("ingest", 63, None)]
+    long_question = Plain("q", Priority.QUERY, 200, 5)  # a long question prefills in one step
+    assert schedule([long_question], step_tokens=512, query_step_tokens=64).budget == 200
+
+
+def test_aging_lifts_waiting_work_but_never_background_above_questions():
+    s = Scheduler(aging_s=2.0)
+    query = Plain("q", Priority.QUERY, 1, 9)
+    ingest = Plain("i", Priority.INGEST, 10, 1, waited=4.5)
+    flash = Plain("f", Priority.FLASH, 10, 2, waited=600.0, background=True)
+    assert s.rank(ingest, 1000.0) < s.rank(query, 1000.0)  # two classes up: ahead of a fresh question
+    assert s.rank(flash, 1000.0) == (Priority.INGEST, 2)  # ten minutes waited: still below questions
+    plan = schedule([flash, query], aging_s=2.0)
+    assert names(plan)[0][0] == "q"
+
+
+def test_waiting_counts_from_the_last_step_not_from_submission():
+    s = Scheduler(aging_s=2.0)
+    running = Plain("f", Priority.INGEST, 10, 1, waited=0.1)
+    running.submitted_at = 0.0  # submitted long ago, but it ran a moment ago
+    assert s.rank(running, 1000.0) == (Priority.INGEST, 1)
+
+
+def test_appends_join_the_append_that_finishes_in_the_step():
+    head = Plain("a", Priority.INGEST, 100, 1, joins=True)
+    queue = [Plain("b", Priority.INGEST, 100, 2, joins=True), Plain("c", Priority.INGEST, 400, 3, joins=True),
+             Plain("d", Priority.INGEST, 10, 4, joins=True)]
+    plan = schedule([head], lambda job: queue if job is head else [], step_tokens=512)
+    # b joins after a; c takes what is left and stops the chain (it does not finish in this step)
+    assert names(plan) == [("a", 100, None), ("b", 100, "a"), ("c", 312, "b")]
+
+
+def test_a_job_that_needs_no_forward_is_planned_with_no_tokens():
+    done = Plain("empty", Priority.INGEST, 0, 1)
+    plan = schedule([done, Plain("x", Priority.INGEST, 5, 2)])
+    assert names(plan) == [("empty", 0, None), ("x", 5, None)]
+
+
+def test_scheduling_changes_nothing():
+    jobs = [Plain("a", Priority.INGEST, 100, 1, joins=True), Plain("q", Priority.QUERY, 3, 2)]
+    before = [(j.order, j.waiting_since, j.done, j.want()) for j in jobs]
+    Scheduler().schedule(jobs, lambda job: [], 1000.0)
+    assert [(j.order, j.waiting_since, j.done, j.want()) for j in jobs] == before
