@@ -107,7 +107,7 @@ def test_push_only_on_change_and_hysteresis():
 
 def collect(engine, sid):
     updates = []
-    Sync(engine).add_listener(sid, lambda event, payload: updates.append((event, payload)))
+    Sync(engine).add_listener(sid, lambda event, payload: event == "flash.updated" and updates.append((event, payload)))
     return updates
 
 
@@ -154,7 +154,7 @@ def test_stale_evaluations_are_labelled_with_the_data_they_saw(tiny):
     sync = Sync(engine)
     sid = sync.create_session()["session_id"]
     seen = []
-    sync.add_listener(sid, lambda event, payload: seen.append(payload))
+    sync.add_listener(sid, lambda event, payload: event == "flash.updated" and seen.append(payload))
     sync.register_flash(sid, QUESTIONS[1], max_tokens=12)
     sync.register_flash(sid, QUESTIONS[2], max_tokens=12)
     session = engine.sessions[sid]
@@ -187,7 +187,7 @@ def test_revise_cancels_a_running_evaluation(tiny):
     sid = sync.create_session()["session_id"]
     sync.append(sid, TEXT[0] + TEXT[1])
     seen = []
-    sync.add_listener(sid, lambda e, p: seen.append(p))
+    sync.add_listener(sid, lambda e, p: e == "flash.updated" and seen.append(p))
     engine.register_flash(sid, QUESTIONS[0], max_tokens=30).result(0)
     while not engine.core.lanes.running(sid, "flash"):
         assert engine.step()
