@@ -30,7 +30,6 @@ from streamer.sessions.errors import EngineError
 from streamer.sessions.sampling import SamplingParams
 
 from .auth import ApiKeys, SessionTokens, key_from_request
-from .dashboard import response as dashboard_response
 from .durability import DEFAULT_DETACH_TTL_S, DEFAULT_SNAPSHOT_INTERVAL_S, Keeper, LoggedEngine
 from .media import MediaConfig, MediaHub
 from .metrics import render as render_metrics
@@ -38,6 +37,7 @@ from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
 from .recovery import flash_record
 from .resume import ResumeCommands, ServerHooks
 from .store import open_store
+from .web import route as web_route
 
 log = logging.getLogger(__name__)
 # websockets logs every frame at DEBUG; frames carry tokens and user data, so the server's
@@ -886,15 +886,15 @@ class StreamerServer(ServerHooks):
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
-        if path == "/dashboard" or path.startswith("/dashboard/"):
-            return dashboard_response(path)
+        if (page := web_route(self, request)) is not None:  # /app, /sdk/, /dashboard (streamer.web)
+            return page
         if request.headers.get("Upgrade", "").lower() == "websocket":
             key = key_from_request(request.headers, request.path)
             if key is not None and self.config.api_keys.enabled and self.config.api_keys.check(key) is None:
                 self.edge["auth_refused"] += 1
                 return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
             return None
-        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard or a websocket"})
+        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard, /app or a websocket"})
 
 
 def _json_response(status: HTTPStatus, body: dict) -> Response:
