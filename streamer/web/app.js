@@ -73,11 +73,16 @@ function attach(session) {
   for (const id of ["send-text", "end-input", "camera", "mic", "ask", "register", "stop"]) $(id).disabled = false;
   $("create").disabled = true;
   session.on("input.ack", (ev) => {
-    if (ev.lag_ms != null) $("lag").textContent = `${ev.lag_ms} ms`;
+    if (ev.lag_ms != null) $("lag").textContent = `${ev.lag_ms} ms (text)`;
     if (ev.total_tokens != null) $("tokens").textContent = `${ev.total_tokens} tok`;
-    if (ev.seq != null) $("inputs").textContent = ev.seq;
   });
   session.on("media.ack", onMediaAck);
+  for (const type of ["media.observation", "media.transcript"]) {
+    session.on(type, (ev) => {
+        if (ev.total_tokens != null) $("tokens").textContent = `${ev.total_tokens} tok`;
+      if (ev.lag_ms != null) $("lag").textContent = `${ev.lag_ms} ms (video)`;
+    });
+  }
   session.on("media.observation", onObservation);
   session.on("media.transcript", onTranscript);
   session.on("reasoning.delta", (ev) => appendReasoning(ev.delta));
@@ -352,6 +357,12 @@ function renderVersion() {
 
 function tick() {
   const client = app.client;
+  app.ticks = (app.ticks ?? 0) + 1;
+  // Flash answers are pushed only when they change: the state says which version each one
+  // was last evaluated on, so staleness stays true between pushes.
+  if (app.session?.attached && client?.connected && app.ticks % 2 === 0) {
+    app.session.get().then((st) => { renderState(st); renderFlash(); }, () => {});
+  }
   if (client) {  // bytes per second over the last 5 s
     const now = performance.now();
     app.rate.push([now, client.stats.bytesSent]);

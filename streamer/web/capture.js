@@ -73,9 +73,11 @@ export class Camera {
     const recorder = new MediaRecorder(tracks, { mimeType: WEBM, videoBitsPerSecond: this.options.videoBitsPerSecond });
     this.recorder = recorder;
     this.stats.containers += 1;
-    let pieceTs = Date.now() / 1000;  // capture time of the container's first frame
+    // The container's first frame is the first one captured after start(): stamp the first
+    // piece with the time of the call (early by less than a frame interval; the `start` event
+    // comes later still, once the encoder is up). The server stamps each frame ts + its pts.
+    let pieceTs = Date.now() / 1000;
     let sendEnd = true;
-    recorder.onstart = () => { pieceTs = Date.now() / 1000; };
     recorder.ondataavailable = (ev) => {
       if (ev.data.size === 0) return;
       const ts = pieceTs;

@@ -209,9 +209,7 @@ export class Session extends Emitter {
    * here as duplicates); the rest are resent in order. */
   _resumed(event) {
     const last = event.last_client_seq ?? 0;
-    this.state = event.session;
-    this.dataVersion = event.session?.data_version ?? this.dataVersion;
-    for (const q of event.session?.flash ?? []) this.flash.set(q.flash_id, q);
+    if (event.session) this._state(event.session);
     this.nextClientSeq = Math.max(this.nextClientSeq, last + 1);
     this.attached = true;
     for (const seq of [...this.unacked.keys()].sort((a, b) => a - b)) {
@@ -249,8 +247,14 @@ export class Session extends Emitter {
   /** session.get: the session's state (media counters included). */
   async get() {
     const ev = await this._request({ type: "session.get" });
-    this.state = ev.session;
+    this._state(ev.session);
     return ev.session;
+  }
+
+  _state(state) {  // a fresh state: current version, and each flash answer as last evaluated
+    this.state = state;
+    this.dataVersion = Math.max(this.dataVersion, state.data_version ?? 0);
+    for (const q of state.flash ?? []) this.flash.set(q.flash_id, { ...(this.flash.get(q.flash_id) ?? {}), ...q });
   }
 
   /** session.update: {thinking} and/or {window}. */

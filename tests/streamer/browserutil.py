@@ -17,6 +17,7 @@ import asyncio
 import base64
 import json
 import shutil
+import subprocess
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -144,35 +145,37 @@ class Page:
         return "\n".join(self.console[-40:]) or "(nothing)"
 
 
-class Browser:
-    """`async with Browser(flags) as page:` a headless Chromium with one page."""
+class Chromium:
+    """A headless Chromium process with one page target; start() and stop() are synchronous so a
+    module-scoped fixture can share one browser between tests (each test opens the page with
+    `async with chromium.page() as page:` on its own event loop)."""
 
     def __init__(self, *flags: str, size: tuple[int, int] = (1280, 800)) -> None:
         self.flags = [*BASE_FLAGS, f"--window-size={size[0]},{size[1]}", *flags]
         self.profile = tempfile.mkdtemp(prefix="chromium-")
-        self.proc = None
-        self.page: Page | None = None
+        self.proc: subprocess.Popen | None = None
 
-    async def __aenter__(self) -> Page:
-        self.proc = await asyncio.create_subprocess_exec(
-            chromium_path(), *self.flags, "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
-            "about:blank", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        try:
-            ws = await connect(await self._page_url(), max_size=None)
-            self.page = Page(ws)
-            for domain in ("Runtime", "Page"):
-                await self.page.call(f"{domain}.enable")
-            return self.page
-        except BaseException:
-            await self.close()
-            raise
+    def start(self) -> "Chromium":
+        self.proc = subprocess.Popen([chromium_path(), *self.flags, "--remote-debugging-port=0",
+                                      f"--user-data-dir={self.profile}", "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
 
-    async def _page_url(self) -> str:
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+    def page(self) -> "_PageContext":
+        return _PageContext(self)
+
+    async def page_url(self) -> str:
         port_file = Path(self.profile) / "DevToolsActivePort"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
         while loop.time() < deadline:
-            if self.proc.returncode is not None:
+            if self.proc.poll() is not None:
                 raise RuntimeError(f"chromium exited with {self.proc.returncode}")
             if port_file.exists() and port_file.read_text().strip():
                 port = int(port_file.read_text().split()[0])
@@ -183,14 +186,42 @@ class Browser:
             await asyncio.sleep(0.05)
         raise RuntimeError("chromium did not open a DevTools page target in 60 s")
 
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
-    async def close(self) -> None:
-        if self.page is not None:
-            self.page.reader.cancel()
-            await self.page.ws.close()
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
-        shutil.rmtree(self.profile, ignore_errors=True)
+class _PageContext:
+    def __init__(self, chromium: Chromium) -> None:
+        self.chromium = chromium
+        self.page: Page | None = None
+
+    async def __aenter__(self) -> Page:
+        ws = await connect(await self.chromium.page_url(), max_size=None)
+        self.page = Page(ws)
+        for domain in ("Runtime", "Page"):
+            await self.page.call(f"{domain}.enable")
+        return self.page
+
+    async def __aexit__(self, *exc) -> None:
+        self.page.reader.cancel()
+        await self.page.ws.close()
+
+
+class Browser:
+    """`async with Browser(flags) as page:` a headless Chromium with one page, for one test."""
+
+    def __init__(self, *flags: str, size: tuple[int, int] = (1280, 800)) -> None:
+        self.chromium = Chromium(*flags, size=size)
+        self.context: _PageContext | None = None
+
+    async def __aenter__(self) -> Page:
+        self.chromium.start()
+        try:
+            self.context = self.chromium.page()
+            return await self.context.__aenter__()
+        except BaseException:
+            self.chromium.stop()
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        try:
+            await self.context.__aexit__(*exc)
+        finally:
+            self.chromium.stop()
