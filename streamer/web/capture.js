@@ -19,7 +19,7 @@ export function canRecordWebm() {
 /** The camera as WebM pieces from MediaRecorder (`video`/`webm`), or JPEG snapshots drawn on a
  * canvas at `fps` (`image`/`jpeg`) where the browser cannot record WebM (mode "auto"). */
 export class Camera {
-  constructor(session, { mode = "auto", fps = 2, timesliceMs = 250, width = 320, height = 240,
+  constructor(session, { mode = "auto", fps = 2, timesliceMs = 100, width = 320, height = 240,
                          frameRate = 10, videoBitsPerSecond = 250_000, jpegQuality = 0.7 } = {}) {
     this.session = session;
     this.options = { fps, timesliceMs, width, height, frameRate, videoBitsPerSecond, jpegQuality };
