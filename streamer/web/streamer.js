@@ -278,9 +278,10 @@ export class Session extends Emitter {
     const { queryId, ...rest } = options;
     const id = queryId ?? `jq${this.client._nextQuery++}`;
     const stream = new QueryStream(this, id);
-    this.client._queries.set(`${this.id}\u0000${id}`, stream);
-    this.client._send({ type: "query.create", session_id: this.id, question, query_id: id, ...rest },
-                      { query: stream });
+    const key = `${this.id}\u0000${id}`;
+    this.client._queries.set(key, stream);
+    if (this.client._send({ type: "query.create", session_id: this.id, question, query_id: id, ...rest },
+                          { query: stream }) === null) this.client._queries.delete(key);
     return stream;
   }
 
@@ -491,13 +492,7 @@ export class StreamerClient extends Emitter {
 
   /** Send a command and wait for the event that replies to it; an error event rejects. */
   request(msg) {
-    return new Promise((resolve, reject) => {
-      if (!this.connected) {
-        reject(new StreamerError({ code: "connection_closed", message: "not connected", recoverable: true }));
-        return;
-      }
-      this._send(msg, { resolve, reject });
-    });
+    return new Promise((resolve, reject) => { this._send(msg, { resolve, reject }); });
   }
 
   /** Close for good (no reconnect). Sessions stay on the server until their detach TTL. */
@@ -510,6 +505,12 @@ export class StreamerClient extends Emitter {
   // ---- plumbing -----------------------------------------------------------------------------
 
   _send(msg, waiter = null) {
+    if (!this.connected) {  // nothing goes out: whoever waits hears it now, not never
+      const error = { code: "connection_closed", message: "not connected", recoverable: true };
+      waiter?.reject?.(new StreamerError(error));
+      waiter?.query?._feed({ type: "error", error });
+      return null;
+    }
     msg.event_id = `j${this._nextId++}`;
     if (waiter) this._pending.set(msg.event_id, waiter);
     const text = JSON.stringify(msg);

@@ -155,7 +155,7 @@ class Chromium:
         self.profile = tempfile.mkdtemp(prefix="chromium-")
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Chromium":
+    def start(self) -> Chromium:
         self.proc = subprocess.Popen([chromium_path(), *self.flags, "--remote-debugging-port=0",
                                       f"--user-data-dir={self.profile}", "about:blank"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -167,7 +167,7 @@ class Chromium:
             self.proc.wait(30)
         shutil.rmtree(self.profile, ignore_errors=True)
 
-    def page(self) -> "_PageContext":
+    def page(self) -> _PageContext:
         return _PageContext(self)
 
     async def page_url(self) -> str:

@@ -46,7 +46,7 @@ def documented_commands() -> set[str]:
     table = doc.split("## Client -> server", 1)[1].split("\n## ", 1)[0]
     types = set()
     for line in table.splitlines():
-        if not line.startswith("| ") or line.startswith("| type") or line.startswith("|---"):
+        if not line.startswith("| ") or line.startswith(("| type", "|---")):
             continue
         first = line.split("|")[1].strip()
         types.add(first.strip("`") if first.startswith("`") else "media" if first == "binary media frame" else first)
@@ -83,7 +83,7 @@ def test_every_documented_command_has_an_sdk_method():
     assert len(documented) >= 20 and "session.resume" in documented and "media" in documented
     assert set(sdk) == documented, (set(sdk) ^ documented)
     source = SDK.read_text()
-    classes = dict(re.findall(r"\nexport class (\w+)[^{]*\{(.*?)\n\}", source, re.S))
+    classes = dict(re.findall(r"\nexport class (\w+)[^{]*\{(.*?)\n\}", source, re.DOTALL))
     for kind, target in sdk.items():
         cls, method = target.split(".")
         assert re.search(rf"\n  (?:async |static async )?{method}\(", classes[cls]), f"{target} ({kind}) is missing"
