@@ -285,7 +285,7 @@ async function ask(event) {
     for await (const ev of app.session.ask(question, { max_tokens: 96 })) {
       if (ev.type === "query.delta") a.textContent += ev.delta;
       else {
-        a.textContent = ev.text;
+        a.textContent = ev.text.trim() || "(an empty answer)";
         meta.textContent = ev.cached ? `from the flash cache, data_version ${ev.data_version}` :
           `${ev.tokens} tokens, ${ev.timing.total_ms} ms, data_version ${ev.data_version} (${ev.finish_reason})`;
       }

@@ -134,8 +134,13 @@ class Page:
         await self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
                         mobile=mobile)
 
-    async def screenshot(self, name: str) -> Path:
-        shot = await self.call("Page.captureScreenshot", format="png")
+    async def screenshot(self, name: str, full_page: bool = False) -> Path:
+        params = {}
+        if full_page:  # the whole page at the viewport's width, not just what is on screen
+            size = (await self.call("Page.getLayoutMetrics"))["cssContentSize"]
+            params = {"captureBeyondViewport": True,
+                      "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}}
+        shot = await self.call("Page.captureScreenshot", format="png", **params)
         ARTIFACTS.mkdir(exist_ok=True)
         path = ARTIFACTS / name
         path.write_bytes(base64.b64decode(shot["data"]))

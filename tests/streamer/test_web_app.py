@@ -139,7 +139,7 @@ def test_app_streams_text_camera_and_microphone_and_resumes_after_reload(media_e
             await page.wait_for("window.innerWidth === 390", 10)
             width = await page.eval("document.documentElement.scrollWidth")
             assert width <= 390, f"the page is {width} px wide at a 390 px viewport"
-            await page.screenshot("app-390x844.png")
+            await page.screenshot("app-390.png", full_page=True)
             await page.viewport(1280, 800)
 
             # A reload resumes the same session, with everything it had read.
