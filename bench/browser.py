@@ -165,6 +165,8 @@ async def run(args) -> None:
     audio = write_speech_wav(workdir / "speech.wav", SENTENCES, pause_s=0.8)
     server = await StreamerServer(engine, ServerConfig(port=0)).start()
     base = f"http://127.0.0.1:{server.port}"
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
+          "(the page, Chromium, Whisper and the model share them)", flush=True)
     try:  # the baseline first: a closed session's media threads may still be winding down after a run
         baseline = await python_baseline(f"ws://127.0.0.1:{server.port}", args.jpeg_seconds, args.warmup, audio)
         report("baseline, Python client, JPEG at 2 fps + PCM speech (no browser)", baseline)
@@ -173,6 +175,7 @@ async def run(args) -> None:
             report("page, WebM camera + PCM microphone", webm)
             jpeg = await browser_phase(base, page, "jpeg", args.jpeg_seconds, args.warmup)
             report("page, JPEG camera at 2 fps + PCM microphone", jpeg)
+        await asyncio.sleep(2.0)  # the closed sessions' last media work drains before the engine stops
     finally:
         await server.stop()
         engine.stop()
