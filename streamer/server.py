@@ -29,7 +29,6 @@ from streamer.sessions.engine import Engine
 
 from .auth import ApiKeys, key_from_request
 from .connection import Connection, LenientConnection
-from .dashboard import response as dashboard_response
 from .directory import Directory
 from .eventlog import EventLog
 from .handlers import Peer, Services
@@ -39,6 +38,7 @@ from .protocol import ProtocolLimits
 from .resume import DEFAULT_DETACH_TTL_S, Resumer
 from .snapshots import DEFAULT_SNAPSHOT_INTERVAL_S, Snapshots
 from .store import heartbeat_loop, open_store
+from .web import route as web_route
 
 log = logging.getLogger(__name__)
 # websockets logs every frame at DEBUG; frames carry tokens and user data, so the server's
@@ -245,15 +245,15 @@ class StreamerServer:
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
-        if path == "/dashboard" or path.startswith("/dashboard/"):
-            return dashboard_response(path)
+        if (page := web_route(self, request)) is not None:  # /app, /sdk/, /dashboard (streamer.web)
+            return page
         if request.headers.get("Upgrade", "").lower() == "websocket":
             key = key_from_request(request.headers, request.path)
             if key is not None and self.config.api_keys.enabled and self.config.api_keys.check(key) is None:
                 self.edge["auth_refused"] += 1
                 return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
             return None
-        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard or a websocket"})
+        return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard, /app or a websocket"})
 
 
 def _json_response(status: HTTPStatus, body: dict) -> Response:

@@ -27,6 +27,10 @@ from .errors import MediaDecodeError, MediaError, MediaTooLarge, UnsupportedMedi
 
 # Wire format -> FFmpeg demuxer name.
 CONTAINERS = {"mp4": "mp4", "webm": "matroska", "mpegts": "mpegts"}
+# Browsers' MediaRecorder WebM states no frame rate, so FFmpeg's stream probe held every frame
+# back until it had estimated one (about 4 s of a live camera, then a burst that newest-frame-wins
+# dropped). Timestamps, not a rate, drive sampling here: skip that estimate.
+OPEN_OPTIONS = {"webm": {"fpsprobesize": "0"}}
 IMAGE_CODECS = {"jpeg": "mjpeg", "png": "png"}
 
 
@@ -222,7 +226,7 @@ class VideoDecoder:
         av = self.av
         try:
             container = av.open(self.pipe, mode="r", format=CONTAINERS[self.fmt],
-                                options={"probesize": str(self.limits.probe_bytes)})
+                                options={"probesize": str(self.limits.probe_bytes), **OPEN_OPTIONS.get(self.fmt, {})})
             try:
                 if not container.streams:
                     raise MediaDecodeError(f"the {self.fmt} stream ended before any track was found "

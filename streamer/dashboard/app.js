@@ -1,38 +1,80 @@
 // streamer dashboard: read-only, live over one websocket to the page's own host.
 // URL parameters: api_key (lists sessions, watches any), session + token (a dashboard token
 // watches that one session).
+//
+// First paint comes from one HTTP fetch (/dashboard/session.json, /dashboard/sessions.json),
+// not from the websocket. Headless Chromium's --virtual-time-budget (screenshot and prerender
+// jobs) advances the page's clock while nothing it counts as loading is pending; it counts
+// fetches, not websocket messages, so a page that painted only from websocket events was
+// captured before any reply came and showed dashes. And the cards fed by session.snapshot
+// waited for the next snapshot, which the server pushes only when the session changes: an idle
+// session never filled them. The fetch holds the virtual clock and fills every card at once.
 "use strict";
 
 const params = new URLSearchParams(location.search);
 const apiKey = params.get("api_key");
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"];
+const NS = "http://www.w3.org/2000/svg";
 let ws = null;
 let watching = null;      // session id being watched
+let watchToken = null;
 let nextId = 1;
+let dataVersion = null;   // the watched session's current data_version
 const flash = new Map();  // flash_id -> latest flash entry (with history)
 const actions = [];
+const subscribeIds = new Set();  // event ids of our subscribe commands (their errors go to the panel)
 
 const $ = (id) => document.getElementById(id);
 
 function send(msg) {
   msg.event_id = "d" + nextId++;
   ws.send(JSON.stringify(msg));
+  return msg.event_id;
+}
+
+function query(extra) {
+  const q = new URLSearchParams(extra);
+  if (apiKey) q.set("api_key", apiKey);
+  return q.toString();
+}
+
+async function fetchJson(path, extra = {}) {
+  const response = await fetch(`${path}?${query(extra)}`, { cache: "no-store" });
+  const body = await response.json();
+  if (!response.ok) throw body.error ?? { code: "http_" + response.status, message: response.statusText };
+  return body;
+}
+
+async function firstPaint() {
+  const sid = params.get("session");
+  const list = fetchJson("/dashboard/sessions.json").then((body) => {
+    renderList(body.sessions);
+    $("worker").textContent = "worker " + body.worker;
+  }, showListError);
+  let one = Promise.resolve();
+  if (sid) {
+    openDetail(sid, params.get("token"));
+    const extra = { session: sid };
+    if (params.get("token")) extra.token = params.get("token");
+    one = fetchJson("/dashboard/session.json", extra).then((body) => {
+      if (body.session) renderState(body.session);
+      if (body.snapshot) renderSnapshot(body.snapshot);
+    }, showDetailError);
+  }
+  await Promise.all([list, one]);
 }
 
 function connect() {
   const scheme = location.protocol === "https:" ? "wss" : "ws";
-  const query = apiKey ? "?api_key=" + encodeURIComponent(apiKey) : "";
-  ws = new WebSocket(`${scheme}://${location.host}/${query}`);
+  ws = new WebSocket(`${scheme}://${location.host}/${apiKey ? "?" + query({}) : ""}`);
   ws.onopen = () => {
     $("conn").textContent = "live";
     listSessions();
-    if (params.get("session")) watch(params.get("session"), params.get("token"));
+    if (watching) subscribe(watching, watchToken);
   };
   ws.onclose = () => {
     $("conn").textContent = "disconnected; retrying…";
-    const again = watching;
-    watching = null;
-    setTimeout(() => { connect(); if (again && !params.get("session")) watch(again, null); }, 2000);
+    setTimeout(connect, 2000);
   };
   ws.onmessage = (msg) => handle(JSON.parse(msg.data));
 }
@@ -41,44 +83,81 @@ function listSessions() {
   if (ws && ws.readyState === WebSocket.OPEN) send({ type: "sessions.list" });
 }
 
-function watch(sid, token) {
-  if (watching === sid) return;
-  if (watching) send({ type: "unsubscribe", session_id: watching });
+function openDetail(sid, token) {
   watching = sid;
+  watchToken = token;
+  dataVersion = null;
   flash.clear();
   actions.length = 0;
   $("reasoning").textContent = "";
   $("actions").textContent = "";
+  for (const id of ["lag", "cache", "version", "action-seq"]) $(id).textContent = "–";
+  $("detail-error").hidden = true;
   $("detail").hidden = false;
+  document.body.classList.add("watching");
   $("sid").textContent = sid;
-  const msg = { type: "subscribe", session_id: sid };
-  if (token) msg.token = token;
-  send(msg);
+  renderFlash();
   markSelected();
 }
 
+function subscribe(sid, token) {
+  const msg = { type: "subscribe", session_id: sid };
+  if (token) msg.token = token;
+  subscribeIds.add(send(msg));
+}
+
+function watch(sid) {  // a click in the list (an operator: no token needed)
+  if (watching === sid) return;
+  if (watching && ws.readyState === WebSocket.OPEN) send({ type: "unsubscribe", session_id: watching });
+  openDetail(sid, null);
+  fetchJson("/dashboard/session.json", { session: sid }).then((body) => {
+    if (watching !== sid) return;
+    if (body.session) renderState(body.session);
+    if (body.snapshot) renderSnapshot(body.snapshot);
+  }, showDetailError);
+  if (ws.readyState === WebSocket.OPEN) subscribe(sid, null);
+}
+
 function handle(ev) {
-  if (ev.session_id && ev.session_id !== watching && ev.type !== "sessions" && ev.type !== "error") return;
+  if (ev.type === "error") return showError(ev);
+  if (ev.session_id && ev.session_id !== watching && ev.type !== "sessions") return;
   switch (ev.type) {
     case "sessions": renderList(ev.sessions); $("worker").textContent = "worker " + ev.worker; break;
-    case "subscribed": renderState(ev.session); break;
+    case "subscribed": $("detail-error").hidden = true; renderState(ev.session); break;
     case "session.snapshot": renderSnapshot(ev.snapshot); break;
     case "flash.updated": updateFlash(ev); renderFlash(); break;
+    case "flash.stale": markStale(ev); renderFlash(); break;
     case "reasoning.delta": appendReasoning(ev.delta); break;
     case "reasoning.done": appendReasoning("\n"); break;
     case "action.chunk": addAction(`#${ev.seq} chunk: ${(ev.actions || []).length} actions, t0 ${fmtTime(ev.t0)}`); break;
     case "action.command": addAction(`rule ${ev.rule_id} fired: ${JSON.stringify(ev.command)}`); break;
-    case "error": showError(ev); break;
   }
 }
 
 function showError(ev) {
   const err = ev.error || {};
-  if (err.code === "unauthorized") {
-    $("list-note").textContent = "The session list needs an API key (?api_key=…) on this server.";
+  if (subscribeIds.has(ev.reply_to)) {
+    subscribeIds.delete(ev.reply_to);
+    showDetailError(err);
+  } else if (ev.session_id && ev.session_id === watching) {
+    showDetailError(err);
   } else {
-    $("list-note").textContent = `${err.code}: ${err.message}`;
+    showListError(err);
   }
+}
+
+function showListError(err) {
+  $("list-note").textContent = err.code === "unauthorized"
+    ? "The session list needs an API key (?api_key=…) on this server."
+    : `${err.code}: ${err.message}`;
+}
+
+function showDetailError(err) {
+  const box = $("detail-error");
+  box.textContent = err.code === "session_not_found"
+    ? `Cannot watch this session: ${err.message}. The token may be wrong, or the session closed.`
+    : `${err.code}: ${err.message}`;
+  box.hidden = false;
 }
 
 function renderList(sessions) {
@@ -89,12 +168,14 @@ function renderList(sessions) {
     tr.className = "session";
     tr.dataset.sessionId = s.session_id;
     const stateText = s.closed ? "closed" : s.detached ? "detached" : s.ended ? "ended" : "live";
-    for (const v of [s.session_id, s.owner, s.tokens, s.data_version, s.ingest_lag_ms ?? "–", stateText]) {
+    const cells = [s.session_id, s.owner, s.tokens, s.data_version, s.ingest_lag_ms ?? "–", stateText];
+    cells.forEach((v, i) => {
       const td = document.createElement("td");
       td.textContent = v;
+      if (i === 0) td.title = s.session_id;
       tr.appendChild(td);
-    }
-    if (!s.closed) tr.onclick = () => watch(s.session_id, null);
+    });
+    if (!s.closed) tr.onclick = () => watch(s.session_id);
     body.appendChild(tr);
   }
   $("list-note").textContent = sessions.length ? "" : "No sessions yet.";
@@ -109,29 +190,50 @@ function markSelected() {
 
 function renderState(st) {
   $("cache").textContent = `${st.tokens} tok / ${fmtBytes(st.cache_bytes)}`;
-  $("version").textContent = st.data_version;
-  for (const q of st.flash || []) flash.set(q.flash_id, q);
+  setVersion(st.data_version);
+  for (const q of st.flash || []) flash.set(q.flash_id, { ...q, seenAt: Date.now() / 1000 });
   renderFlash();
 }
 
 function renderSnapshot(s) {
-  $("lag").textContent = s.ingest_lag_ms == null ? "–" : `${s.ingest_lag_ms} ms`;
+  $("lag").textContent = s.ingest_lag_ms == null ? "none yet" : `${s.ingest_lag_ms} ms`;
   $("cache").textContent = `${s.tokens} tok / ${fmtBytes(s.cache_bytes)}`;
-  $("version").textContent = s.data_version;
-  $("action-seq").textContent = s.last_action_seq;
-  for (const q of s.flash || []) flash.set(q.flash_id, q);
+  setVersion(s.data_version);
+  $("action-seq").textContent = s.last_action_seq ?? 0;
+  for (const q of s.flash || []) flash.set(q.flash_id, { ...(flash.get(q.flash_id) || {}), ...q, seenAt: Date.now() / 1000 });
   if (s.reasoning && !$("reasoning").textContent) $("reasoning").textContent = s.reasoning;
   renderFlash();
 }
 
+function setVersion(v) {
+  if (v == null) return;
+  dataVersion = Math.max(dataVersion ?? v, v);
+  $("version").textContent = dataVersion;
+}
+
 function updateFlash(ev) {
   const q = flash.get(ev.flash_id) || { flash_id: ev.flash_id, question: ev.question, history: [] };
-  q.answer = ev.answer;
-  q.data_version = ev.data_version;
-  q.confidence = ev.confidence;
+  Object.assign(q, { answer: ev.answer, data_version: ev.data_version, confidence: ev.confidence,
+                     evaluated_at: ev.evaluated_at, stale: false, staleness: null });
   q.history = (q.history || []).concat([{ data_version: ev.data_version, logit_gap: ev.confidence.logit_gap,
                                           mean_prob: ev.confidence.mean_prob, at: ev.evaluated_at }]);
   flash.set(ev.flash_id, q);
+  setVersion(ev.data_version);
+}
+
+function markStale(ev) {  // flash.stale: one question (flash_id) or all of the session's
+  for (const [id, q] of flash) if (!ev.flash_id || ev.flash_id === id) q.stale = true;
+}
+
+/** {versions, seconds} behind for one flash entry, from the session's current version. */
+function staleness(q) {
+  if (q.data_version == null) return null;
+  const versions = dataVersion == null ? (q.staleness?.versions ?? 0) : Math.max(0, dataVersion - q.data_version);
+  const last = (q.history || []).at(-1);
+  const at = q.evaluated_at ?? last?.at;
+  const seconds = at != null ? Date.now() / 1000 - at
+    : (q.staleness?.seconds ?? 0) + (Date.now() / 1000 - (q.seenAt ?? Date.now() / 1000));
+  return { versions, seconds: Math.max(0, seconds) };
 }
 
 function renderFlash() {
@@ -140,12 +242,18 @@ function renderFlash() {
   for (const q of flash.values()) {
     const tr = document.createElement("tr");
     tr.dataset.flashId = q.flash_id;
+    const st = staleness(q);
+    const behind = st && (st.versions > 0 || q.stale);
+    tr.classList.toggle("stale", Boolean(behind));
     const conf = q.confidence ? `p ${q.confidence.mean_prob.toFixed(2)}, gap ${q.confidence.logit_gap.toFixed(2)}` : "–";
-    const cells = [q.flash_id, q.question, q.answer ?? "(not yet)", q.data_version ?? "–", conf];
+    const stText = !st ? "–" : q.stale ? `stale · ${fmtAge(st.seconds)}`
+      : st.versions > 0 ? `${st.versions} behind · ${fmtAge(st.seconds)}` : `current · ${fmtAge(st.seconds)}`;
+    const cells = [q.flash_id, q.question, q.answer ?? "(not yet)", q.data_version != null ? `v${q.data_version}` : "–",
+                   stText, conf];
     cells.forEach((v, i) => {
       const td = document.createElement("td");
       td.textContent = v;
-      if (i === 2) td.className = "answer";
+      td.className = ["id", "question", "answer", "version", "staleness", "confidence"][i];
       tr.appendChild(td);
     });
     body.appendChild(tr);
@@ -153,43 +261,60 @@ function renderFlash() {
   renderChart();
 }
 
+function svg(tag, attrs, text) {
+  const el = document.createElementNS(NS, tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (text != null) el.textContent = text;
+  return el;
+}
+
+/** Integer ticks between lo and hi, at most `most` of them. */
+function ticks(lo, hi, most = 8) {
+  const step = Math.max(1, Math.ceil((hi - lo) / (most - 1)));
+  const out = [];
+  for (let v = lo; v <= hi; v += step) out.push(v);
+  return out;
+}
+
 function renderChart() {
-  const svg = $("chart");
-  const NS = "http://www.w3.org/2000/svg";
-  svg.textContent = "";
+  const chart = $("chart");
+  chart.textContent = "";
   $("legend").textContent = "";
+  const L = 54, R = 590, T = 10, B = 160;  // plot area in viewBox units (600 x 200)
   const series = [...flash.values()].map((q) => (q.history || []).filter((h) => h.mean_prob != null));
   const versions = series.flat().map((h) => h.data_version);
-  if (!versions.length) return;
-  const lo = Math.min(...versions), hi = Math.max(...versions, lo + 1);
-  const x = (v) => 10 + ((v - lo) / (hi - lo)) * 580;
-  const y = (p) => 150 - p * 140;
-  for (const p of [0, 0.5, 1]) {
-    const line = document.createElementNS(NS, "line");
-    Object.entries({ x1: 10, x2: 590, y1: y(p), y2: y(p), stroke: "#dde", "stroke-width": 1 })
-      .forEach(([k, v]) => line.setAttribute(k, v));
-    svg.appendChild(line);
+  const lo = versions.length ? Math.min(...versions) : 0;
+  const hi = versions.length ? Math.max(...versions, lo + 1) : 1;
+  const x = (v) => L + ((v - lo) / (hi - lo)) * (R - L);
+  const y = (p) => B - p * (B - T);
+  for (const p of [0, 0.25, 0.5, 0.75, 1]) {  // y axis: mean probability
+    chart.appendChild(svg("line", { x1: L, x2: R, y1: y(p), y2: y(p), stroke: p === 0 ? "#889" : "#dde", "stroke-width": 1 }));
+    chart.appendChild(svg("text", { x: L - 6, y: y(p) + 4, "text-anchor": "end", class: "tick y" }, p.toFixed(2)));
+  }
+  chart.appendChild(svg("line", { x1: L, x2: L, y1: T, y2: B, stroke: "#889", "stroke-width": 1 }));
+  for (const v of ticks(lo, hi)) {  // x axis: data_version
+    chart.appendChild(svg("line", { x1: x(v), x2: x(v), y1: B, y2: B + 4, stroke: "#889", "stroke-width": 1 }));
+    chart.appendChild(svg("text", { x: x(v), y: B + 16, "text-anchor": "middle", class: "tick x" }, String(v)));
+  }
+  chart.appendChild(svg("text", { x: (L + R) / 2, y: 196, "text-anchor": "middle", class: "axis-label x" }, "data_version"));
+  chart.appendChild(svg("text", { x: 12, y: (T + B) / 2, "text-anchor": "middle", class: "axis-label y",
+                                  transform: `rotate(-90 12 ${(T + B) / 2})` }, "mean prob"));
+  if (!versions.length) {
+    chart.appendChild(svg("text", { x: (L + R) / 2, y: (T + B) / 2, "text-anchor": "middle", class: "empty" },
+                          "no flash answers yet"));
+    return;
   }
   [...flash.values()].forEach((q, i) => {
     const color = COLORS[i % COLORS.length];
     const pts = series[i].map((h) => `${x(h.data_version).toFixed(1)},${y(h.mean_prob).toFixed(1)}`);
-    const poly = document.createElementNS(NS, "polyline");
-    poly.setAttribute("points", pts.join(" "));
-    poly.setAttribute("fill", "none");
-    poly.setAttribute("stroke", color);
-    poly.setAttribute("stroke-width", 2);
-    svg.appendChild(poly);
+    chart.appendChild(svg("polyline", { points: pts.join(" "), fill: "none", stroke: color, "stroke-width": 2 }));
     for (const h of series[i]) {
-      const dot = document.createElementNS(NS, "circle");
-      dot.setAttribute("cx", x(h.data_version));
-      dot.setAttribute("cy", y(h.mean_prob));
-      dot.setAttribute("r", 3);
-      dot.setAttribute("fill", color);
-      svg.appendChild(dot);
+      chart.appendChild(svg("circle", { cx: x(h.data_version), cy: y(h.mean_prob), r: 3, fill: color }));
     }
     const item = document.createElement("span");
+    item.className = "legend-item";
     item.style.color = color;
-    item.textContent = `■ ${q.flash_id}  `;
+    item.textContent = `■ ${q.flash_id}`;
     $("legend").appendChild(item);
   });
 }
@@ -219,9 +344,17 @@ function fmtBytes(n) {
   return (n / (1 << 20)).toFixed(1) + " MiB";
 }
 
+function fmtAge(s) {
+  return s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
+}
+
 function fmtTime(t) {
   return t ? new Date(t * 1000).toISOString().slice(11, 23) : "–";
 }
 
-connect();
-setInterval(listSessions, 1000);
+// The page paints first (fetch), then goes live (websocket); timers only refresh after that.
+firstPaint().finally(() => {
+  connect();
+  setInterval(listSessions, 1000);
+  setInterval(renderFlash, 1000);  // staleness seconds keep counting between events
+});

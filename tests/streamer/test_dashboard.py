@@ -3,22 +3,20 @@ package `chromium`) loads it and is driven over the DevTools protocol; the scree
 under tests/artifacts/ (git-ignored)."""
 
 import asyncio
-import base64
 import json
+import re
 import shutil
 import tempfile
+import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
-from websockets.asyncio.client import connect
+from browserutil import BASE_FLAGS, Browser, chromium_path
 from helpers import until
 from wsutil import check_error, raw, serve
 
 from streamer.auth import ApiKeys
 
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KEY = "k" * 24
 
 
@@ -77,53 +75,55 @@ def test_read_only_tokens_and_operator_credential(tiny_engine):
     serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}))
 
 
-async def devtools_page(chromium_dir: str):
-    """The websocket URL of the page target of a Chromium started with a debugging port."""
-    port_file = Path(chromium_dir) / "DevToolsActivePort"
-    await until(lambda: port_file.exists() and port_file.read_text().strip(), 30, "Chromium's DevTools port")
-    port = int(port_file.read_text().split()[0])
-
-    async def page():
-        _, _, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/json/list")
-        pages = [t for t in json.loads(body) if t["type"] == "page"]
-        return pages[0]["webSocketDebuggerUrl"] if pages else None
-
-    return await until(page, 10, "a page target in Chromium")
+def get_json(url):
+    """(status, body) of a JSON GET, errors included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
-class DevTools:
-    def __init__(self, ws):
-        self.ws, self.next_id = ws, 0
+def test_first_paint_json_needs_a_token_or_a_key(tiny_engine):
+    """/dashboard/session.json and /dashboard/sessions.json (the page's first paint) read what
+    the websocket would let the same credential read, and refuse the rest the same way."""
 
-    async def call(self, method, **params):
-        self.next_id += 1
-        await self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
-        while True:
-            msg = json.loads(await asyncio.wait_for(self.ws.recv(), 60))
-            if msg.get("id") == self.next_id:
-                assert "error" not in msg, msg
-                return msg["result"]
+    async def run(url, server):
+        base = url.replace("ws://", "http://")
+        owner = await raw(url, api_key=KEY)
+        created = await owner.request({"type": "session.create", "flash": [{"question": "Who?", "max_tokens": 2}]})
+        sid = created["session_id"]
+        await append(owner, sid, "Ada keeps the light. ")
+        get = lambda path: asyncio.to_thread(get_json, base + path)  # noqa: E731
+        for role in ("dashboard", "subscriber", "producer"):
+            status, body = await get(f"/dashboard/session.json?session={sid}&token={created['tokens'][role]}")
+            assert status == 200 and body["session"]["data_version"] == 1, body
+            assert body["snapshot"]["session_id"] == sid and body["snapshot"]["last_seq"] == 1
+            assert "ingest_lag_ms" in body["snapshot"] and body["snapshot"]["flash"][0]["flash_id"] == "f1"
+        status, body = await get(f"/dashboard/session.json?session={sid}&api_key={KEY}")
+        assert status == 200 and body["snapshot"]["session_id"] == sid
+        for path, want, code in ((f"/dashboard/session.json?session={sid}&token=wrong-token", 404, "session_not_found"),
+                                 (f"/dashboard/session.json?session=nope&token={created['tokens']['dashboard']}", 404,
+                                  "session_not_found"),
+                                 (f"/dashboard/session.json?session={sid}", 401, "unauthorized"),
+                                 (f"/dashboard/session.json?session={sid}&api_key=not-a-key", 401, "unauthorized"),
+                                 ("/dashboard/session.json", 400, "missing_field"),
+                                 ("/dashboard/sessions.json", 401, "unauthorized")):
+            status, body = await get(path)
+            assert (status, body["error"]["code"]) == (want, code), (path, status, body)
+            assert body["error"]["message"]
+        async def listed():  # snapshots are written every snapshot_interval_s
+            status, body = await get(f"/dashboard/sessions.json?api_key={KEY}")
+            assert status == 200 and body["worker"]
+            return body if body["sessions"] else None
 
-    async def eval(self, expression):
-        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
-        return result["result"].get("value")
+        body = await until(listed, 30, "a snapshot in the session list")
+        assert [s["session_id"] for s in body["sessions"]] == [sid]
 
-    async def wait_for(self, expression, want, timeout=60):
-        seen = []
-
-        async def matches():
-            seen[:] = [await self.eval(expression)]
-            return seen[0] == want
-
-        try:
-            await until(matches, timeout, f"{expression} to be {want!r}")
-        except AssertionError:
-            raise AssertionError(f"{expression} is {seen[0]!r}, expected {want!r}") from None
-        return want
+    serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}), snapshot_interval_s=0.1)
 
 
 @pytest.mark.embedded
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (apt-get install chromium)")
 def test_chromium_shows_a_live_session(embedded):
     from streamer.sessions.engine import Engine
     from streamer.sessions.runner import ModelRunner
@@ -136,55 +136,75 @@ def test_chromium_shows_a_live_session(embedded):
                                       "flash": [{"question": "Which boat is this log about?", "max_tokens": 8}],
                                       "thinking": {"mode": "dual", "unit_tokens": 8, "final_tokens": 0}})
         sid = created["session_id"]
-        for text in ("Log of the fishing boat Dora, skipper Ana Reyes. ",
-                     "06:10 left Porto Velho; wind light from the east. "):
-            assert (await peer.request({"type": "input.text.append", "session_id": sid, "text": text}))["type"] == "input.ack"
+        await append(peer, sid, "Log of the fishing boat Dora, skipper Ana Reyes. ")
+        # A question re-evaluated at most every 10 minutes: once new data lands, it is behind.
+        slow = await peer.request({"type": "flash.register", "session_id": sid, "question": "Who is the skipper?",
+                                   "max_tokens": 6, "min_interval_ms": 600_000})
+        assert slow["type"] == "flash.registered", slow
+        await flash_current(peer, sid, 1, "f2")
+        await append(peer, sid, "06:10 left Porto Velho; wind light from the east. ")
         started = await peer.request({"type": "action.start", "session_id": sid, "dt_ms": 100, "horizon": 5})
         assert started["type"] == "action.started", started
-        page_url = (url.replace("ws://", "http://") + f"/dashboard?session={sid}&token={created['tokens']['dashboard']}")
-        profile = tempfile.mkdtemp(prefix="chromium-")
-        browser = await asyncio.create_subprocess_exec(
-            CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-            "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1280,1000", page_url,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        try:
-            async with connect(await devtools_page(profile), max_size=None) as ws:
-                tools = DevTools(ws)
-                await tools.call("Runtime.enable")
-                await tools.wait_for("document.getElementById('conn').textContent", "live")
-                # the session list (keys are off: open) and the live view of this session
-                await tools.wait_for(f"!!document.querySelector('tr.session[data-session-id=\"{sid}\"]')", True)
-                await peer.send({"type": "robot.state", "session_id": sid, "state": [0.0, 0.0]})
-                state = await flash_current(peer, sid, 2)
-                answer = state["answer"]
-                assert answer.strip()
-                await tools.wait_for("document.querySelector('#flash tr[data-flash-id=\"f1\"] .answer')"
-                                     "?.textContent", answer)
-                await tools.wait_for("document.getElementById('version').textContent", "2")
-                # live: new input shows up without a reload
-                await peer.request({"type": "input.text.append", "session_id": sid,
-                                    "text": '{"target": [1.0, 0.5]}'})  # an observation for the policy
-                state = await flash_current(peer, sid, 3)
-                await tools.wait_for("document.getElementById('version').textContent", "3")
-                await tools.wait_for("document.querySelector('#flash tr[data-flash-id=\"f1\"] .answer')"
-                                     "?.textContent", state["answer"])
-                assert await tools.eval("document.querySelectorAll('#chart circle').length") >= 1
-                # the reasoning stream and the action timeline
-                await tools.wait_for("document.getElementById('reasoning').textContent.trim().length > 0", True)
-                await tools.wait_for("document.querySelectorAll('#actions li').length > 0", True)
-                await tools.wait_for("Number(document.getElementById('action-seq').textContent) > 0", True)
-                lag = await tools.eval("document.getElementById('lag').textContent")
-                assert lag.endswith(" ms"), lag
-                shot = await tools.call("Page.captureScreenshot", format="png")
-                ARTIFACTS.mkdir(exist_ok=True)
-                path = ARTIFACTS / "dashboard.png"
-                path.write_bytes(base64.b64decode(shot["data"]))
-                print(f"dashboard screenshot: {path}")
-                assert path.stat().st_size > 10_000
-        finally:
-            browser.kill()
-            await browser.wait()
-            shutil.rmtree(profile, ignore_errors=True)
+        base = url.replace("ws://", "http://")
+        page_url = f"{base}/dashboard?session={sid}&token={created['tokens']['dashboard']}"
+        async with Browser() as page:
+            await page.viewport(1280, 800)
+            await page.navigate(page_url)
+            await page.wait_for("document.getElementById('conn').textContent", want="live")
+            # the session list (keys are off: open) and the live view of this session
+            await page.wait_for(f"!!document.querySelector('tr.session[data-session-id=\"{sid}\"]')")
+            await peer.send({"type": "robot.state", "session_id": sid, "state": [0.0, 0.0]})
+            state = await flash_current(peer, sid, 2)
+            assert state["answer"].strip()
+            await page.wait_for(f"{row('f1')} .answer')?.textContent", want=state["answer"])
+            await page.wait_for("document.getElementById('version').textContent", want="2")
+            # the slow question shows how far behind it is
+            await page.wait_for(f"{row('f2')}.stale .staleness')?.textContent.startsWith('1 behind')")
+            assert await page.eval(f"{row('f2')} .version').textContent") == "v1"
+            # live: new input shows up without a reload
+            await append(peer, sid, '{"target": [1.0, 0.5]}')  # an observation for the policy
+            state = await flash_current(peer, sid, 3)
+            await page.wait_for("document.getElementById('version').textContent", want="3")
+            await page.wait_for(f"{row('f1')} .answer')?.textContent", want=state["answer"])
+            await page.wait_for(f"{row('f2')} .staleness')?.textContent.startsWith('2 behind')")
+            assert await page.eval(f"{row('f1')}.stale')") is None  # current: no marker
+            assert await page.eval("document.querySelectorAll('#chart circle').length") >= 1
+            # the chart has labelled axes: data_version across, mean probability up
+            labels = await page.eval("[...document.querySelectorAll('#chart text.axis-label')].map(t => t.textContent)")
+            assert labels == ["data_version", "mean prob"], labels
+            assert await page.eval("document.querySelectorAll('#chart text.tick.x').length") >= 2
+            assert await page.eval("[...document.querySelectorAll('#chart text.tick.y')].map(t => t.textContent)") == \
+                ["0.00", "0.25", "0.50", "0.75", "1.00"]
+            # the reasoning stream and the action timeline
+            await page.wait_for("document.getElementById('reasoning').textContent.trim().length > 0")
+            await page.wait_for("document.querySelectorAll('#actions li').length > 0")
+            await page.wait_for("Number(document.getElementById('action-seq').textContent) > 0")
+            lag = await page.eval("document.getElementById('lag').textContent")
+            assert lag.endswith(" ms"), lag
+            # at 1280x800 every column of the session table is on screen, no scrollbar
+            fits = await page.eval("""(() => {
+                const list = document.getElementById('list'), table = list.querySelector('table');
+                const right = list.getBoundingClientRect().right;
+                return table.scrollWidth <= list.clientWidth &&
+                    [...table.querySelectorAll('th')].every(th => th.getBoundingClientRect().right <= right) &&
+                    document.documentElement.scrollWidth <= window.innerWidth;
+            })()""")
+            assert fits, "the session table does not fit its panel at 1280x800"
+            path = await page.screenshot("dashboard.png")
+            print(f"dashboard screenshot: {path}")
+            assert path.stat().st_size > 10_000
+            # a wrong token: the panel says so instead of staying blank
+            await page.navigate(f"{base}/dashboard?session={sid}&token=not-the-token")
+            error = await page.wait_for("!document.getElementById('detail-error').hidden && "
+                                        "document.getElementById('detail-error').textContent")
+            assert "Cannot watch this session" in error and sid in error, error
+            await page.screenshot("dashboard-wrong-token.png")
+        # Under a virtual time budget the first paint is complete (it used to be all dashes).
+        dom = await virtual_time_dom(page_url)
+        for card in ("lag", "cache", "version", "action-seq"):
+            value = re.search(rf'id="{card}" class="value">([^<]*)<', dom).group(1)
+            assert value not in ("", "–"), (card, value)
+        assert 'data-flash-id="f2"' in dom and "behind" in dom
 
     try:
         serve(engine, run, snapshot_interval_s=0.1)
@@ -192,9 +212,34 @@ def test_chromium_shows_a_live_session(embedded):
         engine.stop()
 
 
-async def flash_current(peer, sid, version):
+async def virtual_time_dom(url: str) -> str:
+    """The DOM headless Chromium dumps after a 10 s virtual time budget (a screenshot job)."""
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            chromium_path(), *BASE_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=10000", "--dump-dom",
+            url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        return out.decode()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def row(flash_id: str) -> str:
+    """The start of a selector for a flash row (close the quote and the call yourself)."""
+    return f"document.querySelector('#flash tr[data-flash-id=\"{flash_id}\"]"
+
+
+async def append(peer, sid, text):
+    ack = await peer.request({"type": "input.text.append", "session_id": sid, "text": text})
+    assert ack["type"] == "input.ack", ack
+    return ack
+
+
+async def flash_current(peer, sid, version, flash_id="f1"):
     async def caught_up():
-        q = (await peer.request({"type": "session.get", "session_id": sid}))["session"]["flash"][0]
+        state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+        q = next(q for q in state["flash"] if q["flash_id"] == flash_id)
         return q if q.get("data_version", -1) >= version else None
 
     return await until(caught_up, 120, f"the flash answer of data_version {version}")
