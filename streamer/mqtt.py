@@ -20,10 +20,13 @@ import asyncio
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from streamer.sessions.engine import Engine
 from streamer.sessions.errors import EngineError
+
+if TYPE_CHECKING:
+    from streamer.sessions.engine import Engine
 
 log = logging.getLogger(__name__)
 

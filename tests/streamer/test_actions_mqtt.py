@@ -211,7 +211,7 @@ def test_robot_controller_example_tracks_the_target(tiny_engine, broker):
 
     async def test(url, server, prefix):
         args = argparse.Namespace(url=url, mqtt=broker, prefix=prefix, seconds=3.0, dt_ms=50,
-                                  mode="async_rollforward", latency_ms=[20, 60])
+                                  mode="async_rollforward", latency_ms=[20, 60], report_every=1.0)
         return await run_robot(args)
 
     result = serve_mqtt(tiny_engine, broker, test)
