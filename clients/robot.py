@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from streamer.sessions.actions import ChunkQueue
 
 from .client import StreamerClient

@@ -10,7 +10,17 @@ import sys
 
 from streamer import __version__
 
-from .cliargs import CliError, Parser, configure_logging, fail, nonnegative_float, nonnegative_int, port, positive_float, positive_int
+from .cliargs import (
+    CliError,
+    Parser,
+    configure_logging,
+    fail,
+    nonnegative_float,
+    nonnegative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 
 # `--detach-ttl`'s default, the same as streamer.durability.DEFAULT_DETACH_TTL_S (not imported here:
 # it pulls in torch, and `streamer client` and a failing start should not wait for that)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -52,7 +53,7 @@ def _number(kind: type, text: str) -> int | float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
                                          f"got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
@@ -95,7 +96,7 @@ def ws_url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a websocket URL: use ws://HOST:PORT, "
                                          "e.g. ws://127.0.0.1:8765")
     try:
-        parts.port
+        _ = parts.port  # raises for a port that is not a number in range
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} has a bad port: use ws://HOST:PORT with a port "
                                          "in 1..65535") from None

@@ -101,7 +101,7 @@ def check_store(url: str | None) -> None:
         require("redis", "--store redis://")
         _ping_redis(url)
         return
-    path = url[len("file://"):] if url.startswith("file://") else url
+    path = url.removeprefix("file://")
     if "://" in path:
         raise CliError(f"unknown --store URL {_redact(url)!r}: use memory:, a directory, file:///path or "
                        "redis://host:port/db")
@@ -144,15 +144,15 @@ def check_mqtt(url: str) -> None:
     except ValueError as exc:
         raise CliError(f"--mqtt: {exc}") from None
 
-    async def ping() -> None:
-        import aiomqtt
+    import aiomqtt
 
+    async def ping() -> None:
         async with aiomqtt.Client(host, port, timeout=CONNECT_TIMEOUT_S):
             pass
 
     try:
         asyncio.run(asyncio.wait_for(ping(), CONNECT_TIMEOUT_S * 2))
-    except Exception as exc:  # aiomqtt.MqttError, OSError, TimeoutError: all mean "no broker there"
+    except (aiomqtt.MqttError, OSError, TimeoutError) as exc:  # all mean "no broker there"
         raise CliError(f"cannot reach the MQTT broker at mqtt://{host}:{port} ({_first_line(exc) or 'timed out'}): "
                        "start one (e.g. mosquitto) or fix --mqtt") from None
 
