@@ -7,12 +7,15 @@ class EngineError(Exception):
     """An error a client caused or can act on; `recoverable` says if the session still works."""
 
     code = "engine_error"
+    param: str | None = None
 
-    def __init__(self, message: str, *, code: str | None = None, recoverable: bool = True) -> None:
+    def __init__(self, message: str, *, code: str | None = None, recoverable: bool = True,
+                 param: str | None = None) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
         self.recoverable = recoverable
+        self.param = param  # the request field at fault, when there is one (sent as error.param)
 
     @property
     def message(self) -> str:

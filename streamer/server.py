@@ -270,7 +270,7 @@ class Connection(ResumeCommands):
                     out = await asyncio.shield(out)
             except EngineError as exc:
                 self.send(self.proto.error(exc.code, exc.message, recoverable=exc.recoverable,
-                                           reply_to=cmd.event_id, session_id=cmd.session_id))
+                                           reply_to=cmd.event_id, session_id=cmd.session_id, param=exc.param))
             except Exception as exc:  # a bug, not the client's fault: report it, keep serving
                 log.exception("%s failed", cmd.type)
                 self.send(self.proto.error("internal_error", f"{cmd.type} failed: {exc}",
@@ -547,7 +547,8 @@ class Connection(ResumeCommands):
         index = iter(range(1 << 62))
 
         def on_delta(delta: str) -> None:  # engine thread
-            text = self.proto.event("query.delta", session_id=sid, query_id=query_id, index=next(index), delta=delta)
+            text = self.proto.event("query.delta", reply_to=cmd.event_id, session_id=sid, query_id=query_id,
+                                    index=next(index), delta=delta)
             self.loop.call_soon_threadsafe(self.send, text)
 
         handle = self.engine.query(sid, cmd["question"], params, on_delta if stream else None, query_id)
