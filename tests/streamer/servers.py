@@ -17,12 +17,12 @@ class ThreadedServer:
         self.loop = asyncio.new_event_loop()
         self.server: StreamerServer | None = None
         ready = threading.Event()
-        failed: list[BaseException] = []
+        failed: list[Exception] = []
 
         async def start() -> None:
             try:
                 self.server = await StreamerServer(engine, ServerConfig(port=0, **config)).start()
-            except BaseException as exc:  # handed to the test thread
+            except Exception as exc:  # handed to the test thread
                 failed.append(exc)
             ready.set()
 
@@ -49,7 +49,7 @@ class ThreadedServer:
         self.thread.join(30)
         self.loop.close()
 
-    def __enter__(self) -> "ThreadedServer":
+    def __enter__(self) -> ThreadedServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -111,10 +111,11 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def results(tiny_engine, tokenizer, tmp_path_factory):
     """Every case, run as a subprocess (a few at a time), with the servers they talk to."""
-    from streamer.auth import ApiKeys
     from streamer.sessions.engine import Engine
     from streamer.sessions.models import build_tiny_model
     from streamer.sessions.runner import ModelRunner
+
+    from streamer.auth import ApiKeys
 
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "notes.txt").write_text("The keeper's name is Ada Morrow. ")
@@ -146,7 +147,7 @@ def _run(case: Case, values: dict) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "STREAMER_API_KEY"}
     env.update(HF_HUB_OFFLINE="1", **dict(case.env))
     return subprocess.run([sys.executable, "-c", RUN, ",".join(case.block), *argv], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=values["tmp"])
+                          check=False, timeout=120, env=env, cwd=values["tmp"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
