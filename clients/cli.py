@@ -141,11 +141,13 @@ async def _ask_all(session, args, emit) -> None:
              timing=t, client_ms=answer.client_ms)
 
 
-def _say(emit, message: str, **fields) -> None:
+def _say(emit, line: str, /, **fields) -> None:
+    """Print `line`, or with --json the fields as one JSON object (`fields` may hold a
+    `message`, as error events do: `line` is positional-only)."""
     if emit:
         emit(**fields)
     else:
-        print(message, flush=True)
+        print(line, flush=True)
 
 
 async def ask_once(args: argparse.Namespace) -> int:

@@ -259,6 +259,10 @@ async def stream_media(args: argparse.Namespace) -> int:
                  text=answer.text)
         await session.close()
         printer.cancel()
+    errors = sum(s.get("errors", 0) for s in media.values() if isinstance(s, dict))
+    if errors:  # the stream went on, but not all of it was used: say so, and exit non-zero
+        raise CliError(f"the service could not use all of {args.source}: {errors} media error(s), each printed "
+                       "above after '!'; check the file (or device) and try again", exit_code=1)
     return 0
 
 
@@ -334,8 +338,10 @@ async def _print_events(client, emit, acks: dict) -> None:
             _say(emit, f"  ! {err['code']}: {err['message']}", event="error", **err)
 
 
-def _say(emit, message: str, **fields) -> None:
+def _say(emit, line: str, /, **fields) -> None:
+    """Print `line`, or with --json the fields as one JSON object (`fields` may hold a
+    `message`, as error events do: `line` is positional-only)."""
     if emit:
         emit(**fields)
     else:
-        print(message, flush=True)
+        print(line, flush=True)

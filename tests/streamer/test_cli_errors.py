@@ -11,7 +11,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import pytest
 from servers import ThreadedServer
 
@@ -57,6 +59,8 @@ CASES = {
                                ("notes.jpg is not a picture",)),
     "media-missing": Case(("client", "media", "{tmp}/nope.mp4", "--url", "{media}"), 2, ("no such file",)),
     "media-directory": Case(("client", "media", "{tmp}", "--url", "{media}"), 2, ("is a directory",)),
+    "media-refused-by-service": Case(("client", "media", "{tmp}/big.png", "--url", "{strict}"), 1,
+                                     ("could not use all of", "big.png", "1 media error", "'!'")),
     "media-without-pyav": Case(("client", "media", "{tmp}/clip.mp4", "--url", "{media}"), 2,
                                ("'media' extra", "pip install 'streamer[media]'"), block=("av",)),
     # numbers
@@ -116,6 +120,9 @@ def results(tiny_engine, tokenizer, tmp_path_factory):
     from streamer.sessions.runner import ModelRunner
 
     from streamer.auth import ApiKeys
+    from streamer.media import MediaConfig
+    from streamer.vision.ingest import VideoConfig
+    from streamer.vision.video import DecodeLimits
 
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "notes.txt").write_text("The keeper's name is Ada Morrow. ")
@@ -123,6 +130,10 @@ def results(tiny_engine, tokenizer, tmp_path_factory):
     (tmp / "latin1.txt").write_bytes("Caf\xe9 au lait.".encode("latin-1"))
     (tmp / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0" + os.urandom(2000))
     (tmp / "clip.mp4").write_bytes(b"\x00" * 64)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vision"))
+    from videogen import encode_image
+
+    (tmp / "big.png").write_bytes(encode_image("png", np.zeros((120, 160, 3), np.uint8)))
     keys = tmp / "keys.txt"
     keys.write_text(f"ci:{KEY}\n")
     lm = build_tiny_model(tokenizer, seed=3)  # an engine of its own: it must see no session at all
@@ -130,10 +141,12 @@ def results(tiny_engine, tokenizer, tmp_path_factory):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
+    strict_media = MediaConfig(video=VideoConfig(decode=DecodeLimits(max_pixels=100 * 100)))
     with ThreadedServer(tiny_engine) as server, ThreadedServer(media_engine) as media, \
-            ThreadedServer(tiny_engine, api_keys=ApiKeys.from_file(str(keys))) as keyed:
+            ThreadedServer(tiny_engine, api_keys=ApiKeys.from_file(str(keys))) as keyed, \
+            ThreadedServer(tiny_engine, media=strict_media) as strict:
         values = {"url": server.url, "port": server.port, "media": media.url, "keyed": keyed.url,
-                  "dead": free_port(), "busy": busy.getsockname()[1], "tmp": str(tmp)}
+                  "strict": strict.url, "dead": free_port(), "busy": busy.getsockname()[1], "tmp": str(tmp)}
         with ThreadPoolExecutor(4) as pool:
             runs = dict(zip(CASES, pool.map(lambda c: _run(c, values), CASES.values())))
         sessions_on_media = media_engine.snapshot_stats()["sessions_created"]
@@ -165,12 +178,15 @@ def test_one_line_and_a_non_zero_exit(results, name):
         found = line.find(part.format(**values), at)
         assert found >= 0, f"{part.format(**values)!r} not in {line!r} (after column {at})"
         at = found
-    assert run.stdout == "", run.stdout
+    if case.code != 1:  # 1: the service refused part of the stream, and the output says which
+        assert run.stdout == "", run.stdout
+    else:
+        assert "  ! " in run.stdout, run.stdout
 
 
 def test_bad_media_files_are_refused_before_a_session_is_created(results):
     runs, _, sessions = results
-    assert all(runs[n].returncode == 2 for n in CASES if n.startswith("media-"))
+    assert all(runs[n].returncode == 2 for n in CASES if n.startswith("media-") and "service" not in n)
     assert sessions == 0
 
 
