@@ -118,11 +118,11 @@ def results(tiny_engine, tokenizer, tmp_path_factory):
     from streamer.sessions.engine import Engine
     from streamer.sessions.models import build_tiny_model
     from streamer.sessions.runner import ModelRunner
+    from streamer.vision.ingest import VideoConfig
+    from streamer.vision.video import DecodeLimits
 
     from streamer.auth import ApiKeys
     from streamer.media import MediaConfig
-    from streamer.vision.ingest import VideoConfig
-    from streamer.vision.video import DecodeLimits
 
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "notes.txt").write_text("The keeper's name is Ada Morrow. ")
