@@ -117,7 +117,10 @@ class ServerHooks:
         self.keeper.spawn(self.keeper.forget(session_id, "detached"))
 
     def push_snapshot(self, session_id: str, snapshot: dict) -> None:
-        """Send a session's new snapshot to the connections watching it."""
+        """Send a session's new snapshot to the connections watching it (and its counters to
+        the retained MQTT state)."""
+        if self.mqtt is not None:
+            self.mqtt.snapshot(session_id, snapshot)
         for conn in list(self.connections):
             if session_id in conn.subscriptions:
                 conn.send(conn.proto.event("session.snapshot", session_id=session_id, snapshot=snapshot))

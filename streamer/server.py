@@ -792,12 +792,15 @@ class StreamerServer(ServerHooks):
         if cfg.mqtt_url:
             from .mqtt import MqttBridge
 
-            self.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix).start()
+            self.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix,
+                                         worker_id=self.store.worker_id).start()
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
             create_connection=LenientConnection, logger=wire_log, open_timeout=cfg.open_timeout_s,
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
         await self.keeper.start(cfg.public_url or f"ws://{cfg.host}:{self.port}")
+        if self.mqtt is not None:
+            self.mqtt.announce(self.store.worker_url)
         log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,
                  self.engine.runner.name, self.store.kind, self.store.worker_id)
         return self

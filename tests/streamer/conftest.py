@@ -1,3 +1,8 @@
+import shutil
+import socket
+import subprocess
+import time
+
 import pytest
 
 
@@ -15,3 +20,27 @@ def tiny_engine(tokenizer):
     engine.stop()
 
 
+def _open(port):
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def broker():
+    """The machine's Mosquitto on 1883, or a private one on a free port."""
+    if _open(1883):
+        yield "mqtt://127.0.0.1:1883"
+        return
+    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(50):
+        if _open(port):
+            break
+        time.sleep(0.1)
+    yield f"mqtt://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
