@@ -189,3 +189,33 @@ def test_robot_controller_example_tracks_the_target(tiny_engine, broker):
     assert result["chunks"] >= 5
     assert result["seqs"] == sorted(result["seqs"]) and len(set(result["seqs"])) == len(result["seqs"])
     assert result["mean_error"] < 1.5  # it follows (the target circles at radius 1; the robot starts at 0)
+
+
+def test_robot_command_reports_session_target_and_error_over_time(tiny_engine, broker):
+    """`streamer client robot` as a user runs it: which session and target, what the error
+    means, a line per report period, and a summary against a robot that never moved."""
+    import re
+    import subprocess
+    import sys
+
+    from servers import ThreadedServer
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    with ThreadedServer(tiny_engine, mqtt_url=broker, mqtt_prefix=prefix) as server:
+        server.call(asyncio.wait_for(server.server.mqtt.connected.wait(), 10))
+        done = subprocess.run([sys.executable, "-m", "streamer", "client", "robot", "--url", server.url, "--mqtt",
+                               broker, "--prefix", prefix, "--seconds", "2.5", "--report-every", "0.5",
+                               "--latency-ms", "20", "60"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    sid = re.match(r"^session ([0-9a-f]+): a simulated robot follows the target with the session's "
+                   r"'async_rollforward' policy", lines[0])
+    assert sid and f"{prefix}/sessions/{sid.group(1)}/actions" in lines[0], lines[0]
+    assert lines[1].startswith("target: a circle of radius 1") and lines[2].startswith("tracking error = distance")
+    rows = [line for line in lines if re.match(r"^\s+\d+\.\ds\s+\(.+\)\s+\(.+\)\s+\d+\.\d{3}\s+\d+$", line)]
+    assert len(rows) >= 3, done.stdout  # the error over time
+    summary = re.match(r"^(\d+) action chunks \(seq \d+\.\.\d+\); tracking error mean (\d\.\d+), 95th percentile "
+                       r"\d\.\d+, last \d\.\d+; a robot standing still would average (\d\.\d+) here, so (\d\.\d+) of "
+                       r"that: (tracking well|following, loosely|not following) \(good: under", lines[-1])
+    assert summary, lines[-1]
+    assert int(summary.group(1)) >= 5 and float(summary.group(3)) > 0.5
