@@ -2,6 +2,7 @@ import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,9 @@ def broker():
     if _open(1883):
         yield "mqtt://127.0.0.1:1883"
         return
-    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+    if exe is None:
+        pytest.skip("no MQTT broker on 127.0.0.1:1883 and no mosquitto binary (apt-get install mosquitto)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
