@@ -24,7 +24,7 @@ def test_the_run_ends_with_its_skips_and_why(pytester):
         def test_video():
             pytest.importorskip("av_missing_here")
     """)
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:timeout")
     result.assert_outcomes(passed=1, skipped=8)
     result.stdout.fnmatch_lines([
         "*8 skipped, and why*",
@@ -39,5 +39,5 @@ def test_a_run_without_skips_says_so(pytester):
     pytester.syspathinsert(Path(__file__).resolve().parent)
     pytester.makeconftest("from skipsummary import pytest_terminal_summary  # noqa: F401")
     pytester.makepyfile(test_fine="def test_fine():\n    pass\n")
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:timeout")
     result.stdout.fnmatch_lines(["*no tests skipped*"])
