@@ -47,3 +47,4 @@ def broker():
     yield f"mqtt://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(10)
+

@@ -7,10 +7,11 @@ import socket
 import time
 import uuid
 
+from mqttutil import clear_retained
+from streamer.sessions.flash import FlashAnswer
 from wsutil import check_error, next_of, raw
 
 from streamer.server import ServerConfig, StreamerServer
-from streamer.sessions.flash import FlashAnswer
 
 
 def serve_mqtt(engine, broker_url, test, prefix=None):
@@ -23,6 +24,7 @@ def serve_mqtt(engine, broker_url, test, prefix=None):
             return await test(f"ws://127.0.0.1:{server.port}", server, prefix)
         finally:
             await server.stop()
+            await clear_retained(broker_url, prefix)
 
     return asyncio.run(main())
 
@@ -206,6 +208,7 @@ def test_robot_command_reports_session_target_and_error_over_time(tiny_engine, b
         done = subprocess.run([sys.executable, "-m", "streamer", "client", "robot", "--url", server.url, "--mqtt",
                                broker, "--prefix", prefix, "--seconds", "2.5", "--report-every", "0.5",
                                "--latency-ms", "20", "60"], capture_output=True, text=True, timeout=120, check=False)
+    asyncio.run(clear_retained(broker, prefix))
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     sid = re.match(r"^session ([0-9a-f]+): a simulated robot follows the target with the session's "

@@ -7,6 +7,7 @@ import contextlib
 import json
 import uuid
 
+from mqttutil import clear_retained
 from procutil import ServerProcess
 from wsutil import raw
 
@@ -55,16 +56,6 @@ class Listener:
                 await self.arrived.wait()
 
 
-async def forget(broker_url: str, *topics: str) -> None:
-    """Clear retained messages the test left on the shared broker."""
-    import aiomqtt
-
-    host, port = parse_url(broker_url)
-    async with aiomqtt.Client(host, port) as client:
-        for topic in topics:
-            await client.publish(topic, b"", qos=1, retain=True)
-
-
 def test_retained_state_follows_the_session_and_its_worker(tiny_engine, broker):
     prefix = f"t{uuid.uuid4().hex[:8]}"
     interval = 0.2
@@ -106,7 +97,7 @@ def test_retained_state_follows_the_session_and_its_worker(tiny_engine, broker):
             await later.wait_for(lambda t, m, r: t == status_topic and r and m["status"] == "offline")
             await later.wait_for(lambda t, m, r: t == state_topic and r and m["status"] == "closed")
             await later.wait_for(lambda t, m, r: t.endswith(f"{kept}/state") and r and m["status"] == "offline")
-        await forget(broker, status_topic, state_topic, f"{prefix}/sessions/{kept}/state")
+        assert await clear_retained(broker, prefix) == 3  # the worker, the closed and the offline session
 
     asyncio.run(main())
 
@@ -122,12 +113,12 @@ def test_a_killed_worker_is_marked_offline_by_its_last_will(broker):
             try:
                 await seen.wait_for(lambda t, m, r: m["status"] == "online", timeout=60)
                 peer = await raw(server.url)
-                sid = await peer.create()
+                await peer.create()  # its retained state stays 'live': the worker's status tells
                 await peer.ws.close()
             finally:
                 server.kill()  # SIGKILL: no shutdown, no goodbye to the broker
             _, will, _ = await seen.wait_for(lambda t, m, r: m["status"] == "offline", timeout=60)
             assert will["reason"] == "connection lost" and will["worker"] == "w-kill"
-        await forget(broker, status_topic, f"{prefix}/sessions/{sid}/state")
+        await clear_retained(broker, prefix)
 
     asyncio.run(main())
