@@ -8,10 +8,10 @@ import time
 import uuid
 
 from mqttutil import clear_retained
-from streamer.sessions.flash import FlashAnswer
 from wsutil import check_error, next_of, raw
 
 from streamer.server import ServerConfig, StreamerServer
+from streamer.sessions.flash import FlashAnswer
 
 
 def serve_mqtt(engine, broker_url, test, prefix=None):
