@@ -5,26 +5,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
+from streamer.cliargs import CliError, fail, nonnegative_float, nonnegative_int, positive_int, read_text, ws_url
+
 from .client import StreamerClient, StreamerError
+
+DEFAULT_URL = "ws://127.0.0.1:8765"
+
+
+def url_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", type=ws_url, default=DEFAULT_URL, help="service URL (default: %(default)s)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="client_command", required=True)
     stream = sub.add_parser("stream", help="stream a text file into a new session, asking questions as it grows")
     stream.add_argument("file", type=Path, help="UTF-8 text file ('-' for stdin)")
-    stream.add_argument("--url", default="ws://127.0.0.1:8765", help="service URL (default: %(default)s)")
-    stream.add_argument("--chunk-chars", type=int, default=400, help="characters per append (default: %(default)s)")
-    stream.add_argument("--rate", type=float, default=0.0,
+    url_argument(stream)
+    stream.add_argument("--chunk-chars", type=positive_int, default=400, help="characters per append (default: %(default)s)")
+    stream.add_argument("--rate", type=nonnegative_float, default=0.0,
                         help="characters per second to stream at; 0 = as fast as the service acks (default)")
     stream.add_argument("--ask", action="append", default=[], metavar="QUESTION",
                         help="a question to ask (repeatable); asked every --ask-every chunks and at the end")
-    stream.add_argument("--ask-every", type=int, default=0, metavar="N",
+    stream.add_argument("--ask-every", type=nonnegative_int, default=0, metavar="N",
                         help="ask the questions after every N chunks (default: only at the end)")
-    stream.add_argument("--max-tokens", type=int, default=64, help="answer token limit (default: %(default)s)")
+    stream.add_argument("--max-tokens", type=positive_int, default=64, help="answer token limit (default: %(default)s)")
     stream.add_argument("--system-prompt", default=None, help="system prompt for the session")
     stream.add_argument("--flash", action="append", default=[], metavar="QUESTION",
                         help="register a flash question (repeatable): re-answered after every chunk, printed on change")
@@ -42,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     robot_arguments(robot)
     ask = sub.add_parser("ask", help="create a session from a file (or nothing) and ask one question")
     ask.add_argument("question")
-    ask.add_argument("--url", default="ws://127.0.0.1:8765")
-    ask.add_argument("--context", type=Path, default=None, help="text file to read first")
-    ask.add_argument("--max-tokens", type=int, default=64)
+    url_argument(ask)
+    ask.add_argument("--context", type=Path, default=None, help="UTF-8 text file to read first ('-' for stdin)")
+    ask.add_argument("--max-tokens", type=positive_int, default=64, help="answer token limit (default: %(default)s)")
 
 
 def chunks_of(text: str, size: int) -> list[str]:
@@ -62,12 +69,8 @@ def chunks_of(text: str, size: int) -> list[str]:
     return out
 
 
-def _read(path: Path) -> str:
-    return sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
-
-
 async def stream_file(args: argparse.Namespace) -> int:
-    text = _read(args.file)
+    text = read_text(args.file)  # before connecting: a bad file costs no session
     pieces = chunks_of(text, args.chunk_chars)
     emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
     async with await StreamerClient.connect(args.url) as client:
@@ -138,19 +141,21 @@ async def _ask_all(session, args, emit) -> None:
              timing=t, client_ms=answer.client_ms)
 
 
-def _say(emit, message: str, **fields) -> None:
+def _say(emit, line: str, /, **fields) -> None:
+    """Print `line`, or with --json the fields as one JSON object (`fields` may hold a
+    `message`, as error events do: `line` is positional-only)."""
     if emit:
         emit(**fields)
     else:
-        print(message, flush=True)
+        print(line, flush=True)
 
 
 async def ask_once(args: argparse.Namespace) -> int:
+    context = read_text(args.context, "--context") if args.context else ""
     async with await StreamerClient.connect(args.url) as client:
         session = await client.create_session()
-        if args.context:
-            for piece in chunks_of(_read(args.context), 2000):
-                await session.append(piece)
+        for piece in chunks_of(context, 2000):
+            await session.append(piece)
         stream = await session.ask_stream(args.question, max_tokens=args.max_tokens)
         async for delta in stream:
             print(delta, end="", flush=True)
@@ -160,21 +165,57 @@ async def ask_once(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.client_command == "robot":
-        from .robot import run as run_robot
-
-        return run_robot(args)
-    from .media import stream_media
-
-    command = {"stream": stream_file, "ask": ask_once, "media": stream_media}[args.client_command]
+    """Run a client command; every failure is one line on stderr and a non-zero exit."""
+    prog = f"streamer client {args.client_command}"
     try:
+        if args.client_command == "robot":
+            from .robot import run as run_robot
+
+            return run_robot(args)
+        from .media import stream_media
+
+        command = {"stream": stream_file, "ask": ask_once, "media": stream_media}[args.client_command]
         return asyncio.run(command(args))
+    except CliError as exc:
+        return fail(prog, exc, exc.exit_code)
     except StreamerError as exc:
-        print(f"error from service: {exc}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as exc:
-        print(f"cannot read {exc.filename}: no such file", file=sys.stderr)
-        return 2
-    except (OSError, ConnectionError) as exc:
-        print(f"cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 3
+        return fail(prog, f"the service refused it: {exc}")
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        problem = connection_problem(exc, args.url)
+        if problem is None:
+            raise
+        return fail(prog, problem, 3)
+
+
+def connection_problem(exc: Exception, url: str) -> str | None:
+    """What to tell the user about a failure to reach or keep talking to the service (None:
+    not a connection problem)."""
+    import socket
+
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+    if isinstance(exc, InvalidURI):
+        return f"{url} is not a websocket URL: use ws://HOST:PORT"
+    if isinstance(exc, InvalidStatus):
+        status = exc.response.status_code
+        if status == 401:
+            return (f"{url} refused the API key (HTTP 401): set $STREAMER_API_KEY to a key from the "
+                    "server's --api-keys-file")
+        return f"{url} answered HTTP {status} instead of opening a websocket: is it a streamer service?"
+    if isinstance(exc, InvalidHandshake):
+        return f"{url} did not answer as a websocket server ({exc}): is it a streamer service?"
+    if isinstance(exc, ConnectionClosed):
+        return f"the service at {url} closed the connection ({exc}): it may have stopped; start it and retry"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host of {url} ({exc.strerror}): check --url"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"cannot reach {url} (connection refused): is `streamer serve` running there? check --url"
+    if isinstance(exc, TimeoutError):
+        return f"no answer from {url} (timed out): check --url and that the service is up"
+    if isinstance(exc, ConnectionError):  # the client's reader: the connection went away mid-command
+        return f"lost the connection to {url} ({exc}): the service may have stopped; start it and retry"
+    if isinstance(exc, OSError) and exc.filename is None:
+        return f"cannot reach {url} ({exc.strerror or exc}): check --url and that the service is up"
+    return None

@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from streamer.cliargs import CliError, nonnegative_float, positive_float, positive_int
+
 from .client import StreamerClient
 
 IMAGE_SUFFIXES = {".jpg": "jpeg", ".jpeg": "jpeg", ".png": "png"}
@@ -26,19 +28,21 @@ PASSTHROUGH = {".webm": "webm", ".mkv": "webm", ".ts": "mpegts", ".m2ts": "mpegt
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a video, audio or image file; or a device with --device-format "
                                        "(e.g. /dev/video0 with v4l2, 'default' with alsa or pulse)")
-    parser.add_argument("--url", default="ws://127.0.0.1:8765", help="service URL (default: %(default)s)")
+    from .cli import url_argument
+
+    url_argument(parser)
     parser.add_argument("--realtime", action="store_true", help="pace the stream by its media time (live)")
     parser.add_argument("--device-format", default=None, metavar="FORMAT",
                         help="capture from a device through this FFmpeg input format (v4l2, avfoundation, "
                              "dshow, alsa, pulse); video is sent as JPEG pictures, audio as PCM")
-    parser.add_argument("--seconds", type=float, default=0.0, help="stop after this much media time (0: all)")
-    parser.add_argument("--fps", type=float, default=2.0, help="device video: pictures per second sent")
-    parser.add_argument("--piece-bytes", type=int, default=32 * 1024,
+    parser.add_argument("--seconds", type=nonnegative_float, default=0.0, help="stop after this much media time (0: all)")
+    parser.add_argument("--fps", type=positive_float, default=2.0, help="device video: pictures per second sent")
+    parser.add_argument("--piece-bytes", type=positive_int, default=32 * 1024,
                         help="bytes per media frame for container files (default: %(default)s)")
     parser.add_argument("--ask", action="append", default=[], metavar="QUESTION",
                         help="a question to ask when the stream ends (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="answer token limit (default: %(default)s)")
-    parser.add_argument("--window", type=int, default=None, metavar="TOKENS",
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="answer token limit (default: %(default)s)")
+    parser.add_argument("--window", type=positive_int, default=None, metavar="TOKENS",
                         help="bound the session's cache to this many tokens (sinks + recent inputs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event")
 
@@ -50,7 +54,8 @@ def _av():
     try:
         import av
     except ImportError as exc:
-        raise SystemExit("streaming media needs PyAV: pip install 'streamer[media]'") from exc
+        raise CliError("streaming media needs the 'media' extra (PyAV is not installed): "
+                       "pip install 'streamer[media]' (in a checkout: pip install -e '.[media]')") from exc
     return av
 
 
@@ -71,7 +76,46 @@ def file_pieces(path: Path, piece_bytes: int) -> Iterator[tuple[str, str, bytes,
     elif has_audio:
         yield from _pcm_pieces(av.open(str(path)), 0.5)
     else:
-        raise SystemExit(f"{path}: no video or audio stream")
+        raise CliError(f"{path} has no video or audio stream: give a video, audio or image file")
+
+
+def probe(path: Path) -> None:
+    """Check that `path` is a picture, video or audio file that decodes (its first frame), the
+    way the service will decode it; raise CliError naming what is wrong otherwise."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CliError(f"cannot read {path}: no such file: check the path") from None
+    except OSError as exc:
+        raise CliError(f"cannot read {path} ({exc.strerror}): check the path and its permissions") from None
+    if path.is_dir():
+        raise CliError(f"cannot read {path}: it is a directory: give a video, audio or image file")
+    av = _av()
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        from streamer.vision.errors import MediaError
+        from streamer.vision.video import decode_image
+
+        try:
+            decode_image(IMAGE_SUFFIXES[suffix], path.read_bytes(), 0.0)
+        except MediaError as exc:
+            raise CliError(f"{path} is not a picture the service can read ({exc}): give a JPEG or PNG "
+                           "file") from None
+        except OSError as exc:
+            raise CliError(f"cannot read {path} ({exc.strerror}): check its permissions") from None
+        return
+    try:
+        with av.open(str(path)) as container:
+            streams = [s for s in (container.streams.video[:1] or container.streams.audio[:1])]
+            if not streams:
+                raise CliError(f"{path} has no video or audio stream: give a video, audio or image file")
+            if next(iter(container.decode(streams[0])), None) is None:
+                raise CliError(f"{path}: its {streams[0].type} stream has no frame that decodes (truncated or "
+                               "corrupt?): give another file")
+    except av.error.FFmpegError as exc:
+        what = exc.strerror or type(exc).__name__
+        raise CliError(f"{path} ({size} bytes) is not a video, audio or image file the service can read "
+                       f"({what}): give an MP4, WebM, MPEG-TS, WAV, Ogg, JPEG or PNG file") from None
 
 
 def _raw_pieces(path: Path, fmt: str, piece_bytes: int, duration: float):
@@ -153,12 +197,12 @@ def device_pieces(device: str, fmt: str, fps: float):
     av = _av()
     if fmt not in av.formats_available:
         have = [f for f in ("v4l2", "avfoundation", "dshow", "alsa", "pulse") if f in av.formats_available]
-        raise SystemExit(f"this PyAV build has no '{fmt}' input format (capture formats it has: "
-                         f"{', '.join(have) or 'none'})")
+        raise CliError(f"this PyAV build has no '{fmt}' input format (capture formats it has: "
+                       f"{', '.join(have) or 'none'}): pick one of those with --device-format")
     try:
         container = av.open(device, format=fmt)
     except (av.error.FFmpegError, OSError) as exc:
-        raise SystemExit(f"cannot open {fmt} device {device!r}: {exc}") from None
+        raise CliError(f"cannot open {fmt} device {device!r} ({exc}): check the device name") from None
     if container.streams.video:
         return _camera(container, fps)
     return _pcm_pieces(container, 0.25)
@@ -193,8 +237,7 @@ async def stream_media(args: argparse.Namespace) -> int:
         live = True
     else:
         path = Path(args.source)
-        if not path.exists():
-            raise FileNotFoundError(2, "no such file", str(path))
+        probe(path)  # before connecting: a file the service cannot read costs no session
         pieces = file_pieces(path, args.piece_bytes)
         live = args.realtime
     async with await StreamerClient.connect(args.url) as client:
@@ -216,6 +259,10 @@ async def stream_media(args: argparse.Namespace) -> int:
                  text=answer.text)
         await session.close()
         printer.cancel()
+    errors = sum(s.get("errors", 0) for s in media.values() if isinstance(s, dict))
+    if errors:  # the stream went on, but not all of it was used: say so, and exit non-zero
+        raise CliError(f"the service could not use all of {args.source}: {errors} media error(s), each printed "
+                       "above after '!'; check the file (or device) and try again", exit_code=1)
     return 0
 
 
@@ -291,8 +338,10 @@ async def _print_events(client, emit, acks: dict) -> None:
             _say(emit, f"  ! {err['code']}: {err['message']}", event="error", **err)
 
 
-def _say(emit, message: str, **fields) -> None:
+def _say(emit, line: str, /, **fields) -> None:
+    """Print `line`, or with --json the fields as one JSON object (`fields` may hold a
+    `message`, as error events do: `line` is positional-only)."""
     if emit:
         emit(**fields)
     else:
-        print(message, flush=True)
+        print(line, flush=True)

@@ -72,12 +72,15 @@ class EngineError(Exception):
     `code` is a `Code` (a string naming one is accepted; anything else is a bug: ValueError)."""
 
     code: Code = Code.INTERNAL_ERROR
+    param: str | None = None
 
-    def __init__(self, message: str, *, code: Code | str | None = None, recoverable: bool = True) -> None:
+    def __init__(self, message: str, *, code: Code | str | None = None, recoverable: bool = True,
+                 param: str | None = None) -> None:
         super().__init__(message)
         if code is not None:
             self.code = Code(code)
         self.recoverable = recoverable
+        self.param = param  # the request field at fault, when there is one (sent as error.param)
 
     @property
     def message(self) -> str:

@@ -270,7 +270,7 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
     if flash_id is not None and flash_id in session.flash:
         raise EngineError(f"flash id {flash_id!r} is already in use", code=Code.FLASH_DUPLICATE)
     if not 1 <= max_tokens <= answer_limit:
-        raise InvalidRequest(f"max_tokens must be in [1, {answer_limit}], got {max_tokens}",
+        raise InvalidRequest(f"max_tokens must be in [1, {answer_limit}], got {max_tokens}", param="max_tokens",
                              code=Code.MAX_TOKENS_TOO_LARGE if max_tokens > answer_limit else None)
     if not 1 <= confirm <= 100:
         raise InvalidRequest(f"confirm must be in [1, 100], got {confirm}")

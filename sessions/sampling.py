@@ -23,9 +23,9 @@ class SamplingParams:
     def validate(self, limit: int) -> None:
         if self.max_tokens > limit:
             raise InvalidRequest(f"max_tokens must be in [1, {limit}], got {self.max_tokens}",
-                                 code=Code.MAX_TOKENS_TOO_LARGE)
+                                 code=Code.MAX_TOKENS_TOO_LARGE, param="max_tokens")
         if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be in [1, {limit}], got {self.max_tokens}")
+            raise InvalidRequest(f"max_tokens must be in [1, {limit}], got {self.max_tokens}", param="max_tokens")
         if not 0.0 <= self.temperature <= 10.0:
             raise InvalidRequest(f"temperature must be in [0, 10], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -34,12 +33,3 @@ def load_tiny(spec: str = "tiny"):
     _, _, seed = spec.partition(":")
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
     return build_tiny_model(tokenizer, seed=int(seed or 7))
-
-
-def configure_logging(verbose: bool = False) -> None:
-    level = logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Library chatter (progress bars, hub notices) is noise for a service log.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for name in ("transformers", "websockets", "httpx", "filelock"):
-        logging.getLogger(name).setLevel(logging.WARNING)

@@ -10,6 +10,22 @@ import sys
 
 from streamer import __version__
 
+from .cliargs import (
+    CliError,
+    Parser,
+    configure_logging,
+    fail,
+    nonnegative_float,
+    nonnegative_int,
+    port,
+    positive_float,
+    positive_int,
+)
+
+# `--detach-ttl`'s default, the same as streamer.durability.DEFAULT_DETACH_TTL_S (not imported here:
+# it pulls in torch, and `streamer client` and a failing start should not wait for that)
+DETACH_TTL_S = 300.0
+
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded",
@@ -18,11 +34,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "id or a local directory (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--step-tokens", type=int, default=512,
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--step-tokens", type=positive_int, default=512,
                         help="token budget of one model step, i.e. the chunked-prefill size (default: %(default)s)")
-    parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at once (default: %(default)s)")
-    parser.add_argument("--kv-budget-mb", type=int, default=None,
+    parser.add_argument("--max-sessions", type=positive_int, default=64, help="live sessions at once (default: %(default)s)")
+    parser.add_argument("--kv-budget-mb", type=positive_int, default=None,
                         help="KV pool size in MiB (default: half the memory available at start)")
     parser.add_argument("--admission", choices=["refuse", "queue"], default="refuse",
                         help="when the KV pool is full, refuse new sessions or queue them (default: %(default)s)")
@@ -32,13 +48,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _durability_args(serve: argparse.ArgumentParser) -> None:
-    from streamer.resume import DEFAULT_DETACH_TTL_S
-
     serve.add_argument("--store", default=os.environ.get("STREAMER_STORE", "~/.cache/streamer/state"),
                        metavar="URL", help="where event logs, snapshots and the session directory live: a "
                        "directory (append-only files, one worker), redis://host:port/db (shared by workers) or "
                        "memory: (nothing survives the process) (default: $STREAMER_STORE or %(default)s)")
-    serve.add_argument("--detach-ttl", type=float, default=DEFAULT_DETACH_TTL_S, metavar="SECONDS",
+    serve.add_argument("--detach-ttl", type=nonnegative_float, default=DETACH_TTL_S, metavar="SECONDS",
                        help="keep a session this long after its producer disconnects, for session.resume "
                             "(default: %(default)s; 0 closes it at once)")
     serve.add_argument("--worker-id", default=None, help="this worker's id in the store (default: random)")
@@ -48,21 +62,21 @@ def _durability_args(serve: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streamer", description=__doc__)
+    parser = Parser(prog="streamer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"streamer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the websocket service")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8765, help="port; 0 picks a free one (default: %(default)s)")
+    serve.add_argument("--port", type=port, default=8765, help="port; 0 picks a free one (default: %(default)s)")
     serve.add_argument("--mqtt", default=None, metavar="URL",
                        help="publish session events to this MQTT broker (mqtt://host:port) and take robot state from it")
     serve.add_argument("--mqtt-prefix", default="streamer", help="MQTT topic prefix (default: %(default)s)")
     serve.add_argument("--api-keys-file", default=os.environ.get("STREAMER_API_KEYS_FILE"), metavar="PATH",
                        help="API keys that may create sessions, one 'name:key' per line (default: "
                             "$STREAMER_API_KEYS_FILE; none: anyone who can reach the port may)")
-    serve.add_argument("--sessions-per-key", type=int, default=32,
+    serve.add_argument("--sessions-per-key", type=positive_int, default=32,
                        help="live sessions one API key may hold (default: %(default)s)")
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                        help="change any limit in docs/limits.md, e.g. messages_per_s=50 (repeatable; "
@@ -72,17 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--video-encoder", default="describer", metavar="SPEC",
                        help="'describer' (frame statistics as text, no weights), 'tiny' (a random-weight "
                             "Qwen2.5-VL: plumbing only) or a Qwen2.5-VL checkpoint id or directory (default: %(default)s)")
-    serve.add_argument("--frame-tokens", type=int, default=256, help="VLM visual tokens per frame (default: %(default)s)")
-    serve.add_argument("--sample-fps", type=float, default=2.0,
+    serve.add_argument("--frame-tokens", type=positive_int, default=256, help="VLM visual tokens per frame (default: %(default)s)")
+    serve.add_argument("--sample-fps", type=positive_float, default=2.0,
                        help="video frames per second of media time handed to the encoder (default: %(default)s)")
-    serve.add_argument("--media-window", type=int, default=4096, metavar="TOKENS",
+    serve.add_argument("--media-window", type=nonnegative_int, default=4096, metavar="TOKENS",
                        help="text window given to sessions that receive media; 0 leaves them unbounded "
                             "(default: %(default)s)")
     _model_args(serve)
 
     demo = sub.add_parser("demo", help="start the service on the embedded model, stream a document, ask questions")
     demo.add_argument("--file", default=None, help="text file to stream (default: the bundled Gull Island log)")
-    demo.add_argument("--chunk-chars", type=int, default=600, help="characters per append (default: %(default)s)")
+    demo.add_argument("--chunk-chars", type=positive_int, default=600, help="characters per append (default: %(default)s)")
     _model_args(demo)
 
     from streamer.clients.cli import add_arguments
@@ -94,32 +108,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from streamer.app import configure_logging
-
     configure_logging(args.verbose)
     if args.command == "client":
         from streamer.clients.cli import run
 
         return run(args)
+    prog = f"streamer {args.command}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from packages or local paths
+    try:
+        return _serve(args) if args.command == "serve" else _demo(args)
+    except CliError as exc:
+        return fail(prog, exc, exc.exit_code)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _engine_limits(args: argparse.Namespace):
     from streamer.sessions.engine import EngineLimits
+
+    return EngineLimits(step_tokens=args.step_tokens, max_sessions=args.max_sessions, admission=args.admission,
+                        attention_backend=args.attention_backend,
+                        kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None)
+
+
+def _build_engine(args: argparse.Namespace, limits):
+    """Load the model and start the engine; a model or backend that cannot load is a CliError."""
+    from streamer.app import build_engine
     from streamer.kernels.backend import BackendUnavailable
     from streamer.sessions.models import ModelLoadError
 
-    limits = EngineLimits(step_tokens=args.step_tokens, max_sessions=args.max_sessions, admission=args.admission,
-                          attention_backend=args.attention_backend,
-                          kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None)
     try:
-        if args.command == "serve":
-            return _serve(args, limits)
-        from streamer.demo import run_demo
-
-        return run_demo(args, limits)
+        return build_engine(args.model, args.dtype, args.device, limits, args.threads)
     except (ModelLoadError, BackendUnavailable) as exc:
-        logging.getLogger("streamer").error("%s", exc)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        raise CliError(str(exc)) from None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from streamer import preflight
+
+    preflight.demo(args)
+    from streamer.demo import run_demo
+
+    limits = _engine_limits(args)
+    return run_demo(args, limits, lambda: _build_engine(args, limits))
 
 
 # Settings, not limits: --limit does not take them and docs/limits.md need not list them.
@@ -180,40 +211,41 @@ def _convert(name: str, raw: str, current, annotation):
     return value
 
 
-def _serve(args: argparse.Namespace, limits) -> int:
-    from streamer.app import build_engine
+def _serve(args: argparse.Namespace) -> int:
+    from streamer import preflight
     from streamer.auth import ApiKeys, KeysFileError
-    from streamer.server import ServerConfig, run_server
 
-    log = logging.getLogger("streamer")
     try:
         keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys()
     except KeysFileError as exc:
-        log.error("%s", exc)
-        return 2
+        raise CliError(str(exc)) from None
+    preflight.serve(args)  # before anything slow: a start that cannot work fails in a second
+    from streamer.server import ServerConfig, run_server
+    from streamer.store import StoreError
+
+    log = logging.getLogger("streamer")
     if not keys.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s with no API keys: anyone who reaches the port can create sessions "
                     "(use --api-keys-file)", args.host)
     config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
                           api_keys=keys, sessions_per_key=args.sessions_per_key, store_url=args.store,
-                          detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url,
-                          media=_media_config(args))
+                          detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url)
     try:
-        config, limits = apply_limits(args.limit, config, limits)
+        config, limits = apply_limits(args.limit, config, _engine_limits(args))
     except ValueError as exc:
-        log.error("%s", exc)
-        return 2
+        raise CliError(str(exc)) from None
     if config is None:  # --limit help
         return 0
-    engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
-    from streamer.store import StoreError
-
+    config.media = _media_config(args)
+    engine = _build_engine(args, limits)
     try:
         asyncio.run(run_server(engine, config,
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
-    except StoreError as exc:  # e.g. Redis unreachable at start
-        log.error("%s", exc)
-        return 2
+    except StoreError as exc:  # e.g. Redis went away between the check and the start
+        raise CliError(str(exc)) from None
+    except OSError as exc:  # the port was taken between the check and the start
+        raise CliError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}): pick another "
+                       "--port (0 picks a free one)") from None
     finally:
         engine.stop()
     return 0

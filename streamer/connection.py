@@ -206,7 +206,7 @@ class Connection:
         for a bug (logged; the connection keeps serving)."""
         if isinstance(exc, EngineError):
             return self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, reply_to=cmd.event_id,
-                                    session_id=cmd.session_id)
+                                    session_id=cmd.session_id, param=exc.param)
         log.error("%s failed", cmd.type, exc_info=exc)
         return self.proto.error("internal_error", f"{cmd.type} failed: {exc}", reply_to=cmd.event_id,
                                 session_id=cmd.session_id)

@@ -11,12 +11,13 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 from streamer.clients.cli import chunks_of
 from streamer.clients.client import StreamerClient
-from streamer.sessions.engine import EngineLimits
+from streamer.sessions.engine import Engine, EngineLimits
 
 DEFAULT_DOC = "lighthouse_log.txt"
 DEFAULT_QUESTIONS = "lighthouse_questions.json"
@@ -71,9 +72,15 @@ async def _ask(session, q: dict) -> tuple:
     return answer.context_tokens, t["first_token_ms"], t["total_ms"], q["question"]
 
 
-def run_demo(args: argparse.Namespace, limits: EngineLimits) -> int:
-    from streamer.app import build_engine
+def run_demo(args: argparse.Namespace, limits: EngineLimits, build: Callable[[], Engine] | None = None) -> int:
+    """The demo on an engine from `build()` (default: `args.model` with `limits`)."""
     from streamer.server import ServerConfig, StreamerServer
+
+    if build is None:
+        from streamer.app import build_engine
+
+        def build() -> Engine:
+            return build_engine(args.model, args.dtype, args.device, limits, args.threads)
 
     if args.file:
         text, questions = Path(args.file).read_text(encoding="utf-8"), GENERIC_QUESTIONS
@@ -81,7 +88,7 @@ def run_demo(args: argparse.Namespace, limits: EngineLimits) -> int:
         text, questions = _bundled(DEFAULT_DOC), json.loads(_bundled(DEFAULT_QUESTIONS))
     started = time.monotonic()
     print(f"loading {args.model} model ...", flush=True)
-    engine = build_engine(args.model, args.dtype, args.device, limits, args.threads)
+    engine = build()
     print(f"model ready in {time.monotonic() - started:.1f} s: {engine.runner.name}", flush=True)
 
     async def main() -> None:

@@ -331,7 +331,8 @@ def query_create(cmd: Command, peer: Peer, svc: Services):
     index = itertools.count()
 
     def on_delta(delta: str) -> None:  # engine thread
-        text = peer.proto.event("query.delta", session_id=sid, query_id=query_id, index=next(index), delta=delta)
+        text = peer.proto.event("query.delta", reply_to=cmd.event_id, session_id=sid, query_id=query_id,
+                                index=next(index), delta=delta)
         peer.loop.call_soon_threadsafe(peer.send, text)
 
     handle = svc.engine.query(sid, cmd["question"], params, on_delta if f.get("stream", True) else None, query_id)

@@ -5,9 +5,12 @@ Topics under `{prefix}/sessions/{session_id}/`:
   reasoning  reasoning.done events                  (QoS 1)
   actions    action.chunk events                    (QoS 1)
   commands   action.command events (rules)          (QoS 1)
-  state      the last flash answers and action seq  (QoS 1, retained)
+  state      the session's live counters and status (QoS 1, retained; at most every
+             `state_interval_s`, and at once when it closes or the worker stops)
   errors     refusals of what came in on robot_state (QoS 1)
   robot_state  <- in: {"state": [numbers], "ts": seconds?}
+and `{prefix}/workers/{worker_id}/status` (QoS 1, retained): online while the worker is
+connected; offline when it stops, or, through the broker's last will, when it dies.
 
 Every message is a JSON envelope {"type", "session_id", "ts", ...}. Publishing never blocks a
 session: events go through a bounded queue that drops its oldest entry when the broker is
@@ -20,15 +23,42 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from streamer.sessions.engine import Engine
 from streamer.sessions.errors import EngineError
+
+if TYPE_CHECKING:
+    from streamer.sessions.engine import Engine
 
 log = logging.getLogger(__name__)
 
 TOPICS = {"flash.updated": "flash", "reasoning.done": "reasoning", "action.chunk": "actions",
           "action.command": "commands"}
+# Snapshot fields (streamer.durability.Keeper.snapshot) the retained state carries.
+SNAPSHOT_COUNTERS = ("data_version", "last_seq", "last_client_seq", "tokens", "context_window", "ended",
+                     "ingest_lag_ms", "last_action_seq")
+STATE_INTERVAL_S = 0.5
+DRAIN_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class SessionState:
+    """What the retained `state` topic of one session says, and when it last said it."""
+
+    status: str = "live"  # live | detached | closed | offline (its worker stopped)
+    counters: dict = field(default_factory=dict)
+    flash: dict = field(default_factory=dict)
+    last_action_seq: int = 0
+    commands: int = 0
+    published_at: float = float("-inf")  # loop time
+    last_body: str | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    def public(self) -> dict:
+        return {"status": self.status, **self.counters, "last_action_seq": self.last_action_seq,
+                "flash": self.flash, "commands": self.commands, "closed": self.status == "closed"}
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -40,23 +70,35 @@ def parse_url(url: str) -> tuple[str, int]:
 
 class MqttBridge:
     def __init__(self, engine: Engine, url: str, prefix: str = "streamer", max_queue: int = 1000,
-                 client_id: str | None = None) -> None:
+                 client_id: str | None = None, worker_id: str = "worker",
+                 state_interval_s: float = STATE_INTERVAL_S) -> None:
         self.engine = engine
         self.host, self.port = parse_url(url)
         self.prefix = prefix.rstrip("/")
         self.max_queue = max_queue
         self.client_id = client_id
+        self.worker_id = worker_id
+        self.worker_url: str | None = None
+        self.state_interval_s = state_interval_s
         self.dropped = 0
         self.published = 0
         self.connected = asyncio.Event()
         self._queue: asyncio.Queue[tuple[str, dict, bool]] = asyncio.Queue()
         self._listeners: dict[str, object] = {}
-        self._state: dict[str, dict] = {}
+        self._state: dict[str, SessionState] = {}
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def topic(self, session_id: str, leaf: str) -> str:
         return f"{self.prefix}/sessions/{session_id}/{leaf}"
+
+    @property
+    def worker_topic(self) -> str:
+        return f"{self.prefix}/workers/{self.worker_id}/status"
+
+    def _worker_status(self, status: str, reason: str | None = None) -> dict:
+        return {"type": "worker", "worker": self.worker_id, "status": status, "url": self.worker_url,
+                "reason": reason, "ts": time.time()}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -65,32 +107,70 @@ class MqttBridge:
         self._task = self._loop.create_task(self._run())
         return self
 
+    def announce(self, url: str) -> None:
+        """The worker's URL is known (the server listens): say so on the status topic."""
+        self.worker_url = url
+        self.enqueue(self.worker_topic, self._worker_status("online"), retain=True)
+
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        """A clean stop: every session's state and the worker's status say offline (the
+        sessions stay in the store, resumable), the queue drains for a moment, then the
+        connection closes normally (so the broker does not send the last will)."""
+        if self._task is None:
+            return
+        for session_id, listener in self._listeners.items():
+            self.engine.remove_listener(session_id, listener)
+        self._listeners.clear()
+        for session_id, state in self._state.items():
+            state.status = "offline"
+            self._publish_state(session_id, state, force=True)
+        self.enqueue(self.worker_topic, self._worker_status("offline", "shutdown"), retain=True)
+        if self.connected.is_set():
             try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+                await asyncio.wait_for(self._queue.join(), DRAIN_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("MQTT: %d messages not delivered at shutdown", self._queue.qsize())
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
 
     def attach(self, session_id: str) -> None:
         """Publish this session's events (call on the event loop)."""
 
         def listener(event: str, payload: dict) -> None:  # engine or action thread
             if event in TOPICS:
-                self._loop.call_soon_threadsafe(self._on_event, session_id, event, payload)
+                try:
+                    self._loop.call_soon_threadsafe(self._on_event, session_id, event, payload)
+                except RuntimeError:  # the loop is gone (the server stopped): nobody to publish for
+                    pass
 
         self._listeners[session_id] = listener
-        self._state[session_id] = {"flash": {}, "last_action_seq": 0, "commands": 0}
+        self._state[session_id] = SessionState()
         self.engine.add_listener(session_id, listener)
+        self._touch(session_id)
 
     def detach(self, session_id: str) -> None:
+        """The session closed: its retained state says so at once, with its last counters."""
         listener = self._listeners.pop(session_id, None)
-        self._state.pop(session_id, None)
+        state = self._state.pop(session_id, None)
         if listener is not None:
             self.engine.remove_listener(session_id, listener)
-            self.enqueue(self.topic(session_id, "state"), {"type": "state", "session_id": session_id,
-                                                           "closed": True}, retain=True)
+        if state is not None:
+            state.status = "closed"
+            self._publish_state(session_id, state, force=True)
+
+    def snapshot(self, session_id: str, snapshot: dict) -> None:
+        """The keeper wrote a new snapshot of the session (at most every snapshot interval)."""
+        state = self._state.get(session_id)
+        if state is None:
+            return
+        state.counters = {k: snapshot.get(k) for k in SNAPSHOT_COUNTERS if k in snapshot}
+        state.last_action_seq = max(state.last_action_seq, snapshot.get("last_action_seq") or 0)
+        state.status = "detached" if snapshot.get("detached") else "live"
+        self._touch(session_id)
 
     # ---- out -----------------------------------------------------------------------------------
 
@@ -98,6 +178,7 @@ class MqttBridge:
         message.setdefault("ts", time.time())
         if self._queue.qsize() >= self.max_queue:
             self._queue.get_nowait()  # the oldest goes: live data matters more than stale data
+            self._queue.task_done()
             self.dropped += 1
         self._queue.put_nowait((topic, message, retain))
 
@@ -107,14 +188,42 @@ class MqttBridge:
         if state is None:
             return
         if event == "flash.updated":
-            state["flash"][payload["flash_id"]] = {"answer": payload["answer"], "data_version": payload["data_version"],
-                                                   "confidence": payload["confidence"]}
+            state.flash[payload["flash_id"]] = {"answer": payload["answer"], "data_version": payload["data_version"],
+                                                "confidence": payload["confidence"]}
         elif event == "action.chunk":
-            state["last_action_seq"] = payload["seq"]
-            return  # chunks come at control rate: the retained state follows the other events
+            state.last_action_seq = max(state.last_action_seq, payload["seq"])
         elif event == "action.command":
-            state["commands"] += 1
-        self.enqueue(self.topic(session_id, "state"), {"type": "state", "session_id": session_id, **state}, retain=True)
+            state.commands += 1
+        self._touch(session_id)
+
+    def _touch(self, session_id: str) -> None:
+        """The session's state changed: publish it now, or at the end of the interval."""
+        state = self._state.get(session_id)
+        if state is None or state.timer is not None:
+            return  # gone, or a publish is already due
+        wait = state.published_at + self.state_interval_s - self._loop.time()
+        if wait <= 0:
+            self._publish_state(session_id, state)
+        else:
+            state.timer = self._loop.call_later(wait, self._due, session_id)
+
+    def _due(self, session_id: str) -> None:
+        state = self._state.get(session_id)
+        if state is not None:
+            state.timer = None
+            self._publish_state(session_id, state)
+
+    def _publish_state(self, session_id: str, state: SessionState, force: bool = False) -> None:
+        if state.timer is not None and force:
+            state.timer.cancel()
+            state.timer = None
+        body = state.public()
+        text = json.dumps(body, sort_keys=True, default=str)
+        if text == state.last_body and not force:
+            return
+        state.last_body, state.published_at = text, self._loop.time()
+        self.enqueue(self.topic(session_id, "state"), {"type": "state", "session_id": session_id,
+                                                       "worker": self.worker_id, **body}, retain=True)
 
     # ---- connection ----------------------------------------------------------------------------
 
@@ -122,10 +231,15 @@ class MqttBridge:
         import aiomqtt
 
         backoff = 0.2
+        will = aiomqtt.Will(self.worker_topic, json.dumps(self._worker_status("offline", "connection lost")),
+                            qos=1, retain=True)
         while True:
             try:
-                async with aiomqtt.Client(self.host, self.port, identifier=self.client_id) as client:
+                async with aiomqtt.Client(self.host, self.port, identifier=self.client_id, will=will,
+                                          keepalive=15) as client:
                     await client.subscribe(f"{self.prefix}/sessions/+/robot_state", qos=1)
+                    await client.publish(self.worker_topic, json.dumps(self._worker_status("online")), qos=1,
+                                         retain=True)
                     self.connected.set()
                     backoff = 0.2
                     log.info("MQTT connected to %s:%d", self.host, self.port)
@@ -146,8 +260,11 @@ class MqttBridge:
     async def _send(self, client) -> None:
         while True:
             topic, message, retain = await self._queue.get()
-            await client.publish(topic, json.dumps(message), qos=1, retain=retain)
-            self.published += 1
+            try:
+                await client.publish(topic, json.dumps(message), qos=1, retain=retain)
+                self.published += 1
+            finally:
+                self._queue.task_done()
 
     async def _receive(self, client) -> None:
         async for message in client.messages:

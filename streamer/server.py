@@ -122,7 +122,8 @@ class StreamerServer:
         if cfg.mqtt_url:
             from .mqtt import MqttBridge
 
-            self.mqtt = self.services.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix).start()
+            self.mqtt = self.services.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix,
+                                                              worker_id=self.store.worker_id).start()
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
             create_connection=LenientConnection, logger=wire_log, open_timeout=cfg.open_timeout_s,
@@ -131,6 +132,8 @@ class StreamerServer:
         await self.store.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(heartbeat_loop(self.store)), loop.create_task(self.snapshots.run())]
+        if self.mqtt is not None:
+            self.mqtt.announce(self.store.worker_url)
         log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,
                  self.engine.runner.name, self.store.kind, self.store.worker_id)
         return self
@@ -217,7 +220,10 @@ class StreamerServer:
                 conn.peer.stop_producing(self.engine, session_id)
 
     def push_snapshot(self, session_id: str, snapshot: dict) -> None:
-        """Send a session's new snapshot to the connections watching it."""
+        """Send a session's new snapshot to the connections watching it (and its counters to the
+        retained MQTT state)."""
+        if self.mqtt is not None:
+            self.mqtt.snapshot(session_id, snapshot)
         for conn in list(self.connections):
             if session_id in conn.peer.subscriptions:
                 conn.send(conn.proto.event("session.snapshot", session_id=session_id, snapshot=snapshot))

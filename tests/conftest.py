@@ -6,6 +6,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from skipsummary import pytest_terminal_summary  # noqa: E402, F401  (a hook: the run ends with its skips)
 
 
 @pytest.fixture(scope="session")

@@ -146,12 +146,14 @@ class FrameDescriber(VisionEncoder):
     def _line(self, frame: Frame, events: list[str], colours, brightness: str, motion: str | None) -> str:
         what = ", ".join(f"{name} {share}%" for name, share in colours) or "mixed"
         lead = ""
-        if "start" in events:
-            lead = "video starts (frame statistics only: colours, brightness, motion; no object recognition); "
+        if "start" in events:  # a picture is not a video: say which one this is
+            lead = (f"{'a picture' if frame.still else 'video starts'} (frame statistics only: colours, brightness, "
+                    "motion; no object recognition); ")
         elif "scene_cut" in events:
             lead = "scene cut; "
         moving = f"; motion {motion}" if motion is not None else ""
-        return f"[{self.label} {frame.pts:.1f}s] {lead}colours: {what}; brightness {brightness}{moving}.\n"
+        label = "image" if frame.still else self.label
+        return f"[{label} {frame.pts:.1f}s] {lead}colours: {what}; brightness {brightness}{moving}.\n"
 
     def state(self) -> dict:
         return {"encoder": self.name, "frames": self.frames, "lines": self.lines, "scene_cuts": self.cuts}

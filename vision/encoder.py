@@ -32,13 +32,15 @@ class Frame:
     time in seconds from the start of its media stream; `ts` is its capture time on the
     sender's clock (the binary header's `ts` of the stream's first piece plus `pts`, or the
     header `ts` itself for a single image). `index` counts decoded frames of the stream (before
-    sampling), so gaps show what sampling, dedup and newest-frame-wins skipped.
+    sampling), so gaps show what sampling, dedup and newest-frame-wins skipped. `still`: a
+    single picture (an image frame), not a frame of a video stream.
     """
 
     image: np.ndarray
     pts: float
     ts: float
     index: int
+    still: bool = False
 
     @property
     def height(self) -> int:

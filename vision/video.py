@@ -293,7 +293,7 @@ def decode_image(fmt: str, data: bytes, ts: float, index: int = 0, limits: Decod
     frame = frames[0]
     if frame.width * frame.height > limits.max_pixels:
         raise MediaTooLarge(f"image of {frame.width}x{frame.height} exceeds the limit of {limits.max_pixels} pixels")
-    return Frame(to_rgb(frame, limits.max_side), 0.0, ts, index)
+    return Frame(to_rgb(frame, limits.max_side), 0.0, ts, index, still=True)
 
 
 def thumbnail(image: np.ndarray, side: int = 16) -> np.ndarray:

@@ -3,42 +3,17 @@ and a broker that is slow or gone never blocks a session."""
 
 import asyncio
 import json
-import shutil
 import socket
-import subprocess
 import time
 import uuid
 
-import pytest
-from helpers import until, wait_until
+from helpers import until
+from mqttutil import clear_retained
 from wsutil import check_error, next_of, raw
 
 from streamer.server import ServerConfig, StreamerServer
 from streamer.sessions.actions import fire_rules
 from streamer.sessions.flash import FlashAnswer
-
-
-def _open(port):
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-@pytest.fixture(scope="module")
-def broker():
-    """The machine's Mosquitto on 1883, or a private one on a free port."""
-    if _open(1883):
-        yield "mqtt://127.0.0.1:1883"
-        return
-    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until(lambda: _open(port), 5, "the private mosquitto")
-    yield f"mqtt://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
 
 
 def serve_mqtt(engine, broker_url, test, prefix=None):
@@ -51,6 +26,7 @@ def serve_mqtt(engine, broker_url, test, prefix=None):
             return await test(f"ws://127.0.0.1:{server.port}", server, prefix)
         finally:
             await server.stop()
+            await clear_retained(broker_url, prefix)
 
     return asyncio.run(main())
 
@@ -205,10 +181,41 @@ def test_robot_controller_example_tracks_the_target(tiny_engine, broker):
 
     async def test(url, server, prefix):
         args = argparse.Namespace(url=url, mqtt=broker, prefix=prefix, seconds=3.0, dt_ms=50,
-                                  mode="async_rollforward", latency_ms=[20, 60])
+                                  mode="async_rollforward", latency_ms=[20, 60], report_every=1.0)
         return await run_robot(args)
 
     result = serve_mqtt(tiny_engine, broker, test)
     assert result["chunks"] >= 5
     assert result["seqs"] == sorted(result["seqs"]) and len(set(result["seqs"])) == len(result["seqs"])
     assert result["mean_error"] < 1.5  # it follows (the target circles at radius 1; the robot starts at 0)
+
+
+def test_robot_command_reports_session_target_and_error_over_time(tiny_engine, broker):
+    """`streamer client robot` as a user runs it: which session and target, what the error
+    means, a line per report period, and a summary against a robot that never moved."""
+    import re
+    import subprocess
+    import sys
+
+    from servers import ThreadedServer
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    with ThreadedServer(tiny_engine, mqtt_url=broker, mqtt_prefix=prefix) as server:
+        server.call(asyncio.wait_for(server.server.mqtt.connected.wait(), 10))
+        done = subprocess.run([sys.executable, "-m", "streamer", "client", "robot", "--url", server.url, "--mqtt",
+                               broker, "--prefix", prefix, "--seconds", "2.5", "--report-every", "0.5",
+                               "--latency-ms", "20", "60"], capture_output=True, text=True, timeout=120, check=False)
+    asyncio.run(clear_retained(broker, prefix))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    sid = re.match(r"^session ([0-9a-f]+): a simulated robot follows the target with the session's "
+                   r"'async_rollforward' policy", lines[0])
+    assert sid and f"{prefix}/sessions/{sid.group(1)}/actions" in lines[0], lines[0]
+    assert lines[1].startswith("target: a circle of radius 1") and lines[2].startswith("tracking error = distance")
+    rows = [line for line in lines if re.match(r"^\s+\d+\.\ds\s+\(.+\)\s+\(.+\)\s+\d+\.\d{3}\s+\d+$", line)]
+    assert len(rows) >= 3, done.stdout  # the error over time
+    summary = re.match(r"^(\d+) action chunks \(seq \d+\.\.\d+\); tracking error mean (\d\.\d+), 95th percentile "
+                       r"\d\.\d+, last \d\.\d+; a robot standing still would average (\d\.\d+) here, so (\d\.\d+) of "
+                       r"that: (tracking well|following, loosely|not following) \(good: under", lines[-1])
+    assert summary, lines[-1]
+    assert int(summary.group(1)) >= 5 and float(summary.group(3)) > 0.5
