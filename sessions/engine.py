@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from . import actions, flash, jobs, session as session_commands, thinking, window
+from . import actions, background, flash, jobs, session as session_commands, thinking, window
 from .errors import Code, EngineError, EngineStopped, InvalidRequest, SessionNotFound
 from .futures import chain, settle
 from .jobs import Job, Lanes
@@ -53,6 +53,8 @@ class EngineLimits:
     max_answer_tokens: int = 1024
     max_context_tokens: int | None = None  # per session; default: the model's window
     max_flash_per_session: int = 16
+    flash_stale_versions: int = 8  # a flash answer this many versions behind its data is pushed as flash.stale
+    flash_stale_s: float = 20.0  # ... or this many seconds behind
     kv_budget_bytes: int | None = None  # the KV pool; default: half the memory available at start
     block_size: int = 16  # tokens per pool block
     share_prefix: bool = True  # sessions with the same system prompt share its full blocks
@@ -148,21 +150,14 @@ class EngineCore:
 
     def next_wakeup(self) -> float | None:
         """Seconds until something timed is due: a flash interval or an admission deadline."""
-        waits = [w for s in self.sessions.values() if (w := flash.next_due_s(s)) is not None]
+        waits = [w for s in self.sessions.values() if (w := background.next_wakeup(s, self.limits)) is not None]
         if (deadline := self.memory.next_deadline()) is not None:
             waits.append(deadline)
         return min(waits, default=None)
 
     def _start_background(self) -> None:
-        """Idle-time work: a reasoning unit, then a flash evaluation, where one is due."""
-        for session in self.sessions.values():
-            unit = thinking.next_unit(session, self.lanes, self.stop_ids)
-            if unit is not None:
-                self.lanes.submit(unit)
-            evaluation = flash.next_evaluation(session, self.lanes, self.stop_ids, thinking.due(session))
-            if evaluation is not None:
-                self.lanes.submit(evaluation)
-                self.stats.flash_evaluations += 1
+        """Idle-time work (reasoning units, flash evaluations) where due: `background.start`."""
+        background.start(self)
 
     def _prepare(self, plan: StepPlan) -> list[tuple[Job, list[SeqStep]]]:
         """Turn the plan into sequences: each job plans its tokens and the pool blocks they need
@@ -238,20 +233,22 @@ class EngineCore:
     # ---- session lifecycle (commands) -------------------------------------------------------
 
     def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
-                       flash: list[dict] | None = None, thinking: dict | None = None):
+                       flash: list[dict] | None = None, thinking: dict | None = None,
+                       window: dict | None | str = "default"):
         """Resolves to the new session's state once its system prompt is in the cache. `flash`
         lists questions to register (keyword arguments of `flash.register`); if one is refused,
-        no session is created."""
+        no session is created. `window`: "default" (the documented bound, `window.default_size`),
+        the window's settings (`window.configure` keywords), or None for an unbounded session."""
         if len(self.sessions) >= self.limits.max_sessions:
             raise EngineError(f"session limit reached ({self.limits.max_sessions} sessions)",
                               code=Code.TOO_MANY_SESSIONS)
         sid = session_id or secrets.token_hex(12)
         if sid in self.sessions:
             raise InvalidRequest(f"session id {sid!r} is already in use")
-        return self.memory.admit(lambda: self._open_session(sid, system_prompt, flash, thinking))
+        return self.memory.admit(lambda: self._open_session(sid, system_prompt, flash, thinking, window))
 
     def _open_session(self, sid: str, system_prompt: str | None, flash_items: list[dict] | None,
-                      thinking_settings: dict | None) -> Future | dict:
+                      thinking_settings: dict | None, window_settings: dict | None | str = "default") -> Future | dict:
         """Build the session (its shared prefix may need blocks: OutOfBlocks propagates) and
         queue the prefill of its framing; resolves to its state."""
         if sid in self.sessions:  # checked again: it may have waited in the admission queue
@@ -269,6 +266,11 @@ class EngineCore:
                 session.flash[q.flash_id] = q
             if thinking_settings:
                 thinking.configure(session, thinking.parse_config(thinking_settings))
+            if window_settings == "default":
+                window.set_window(session, window.default_size(self.limits, session.context_window, len(session.prefix_ids)),
+                                  default=True)
+            elif window_settings is not None:
+                window.set_window(session, **window.window_args(window_settings))
             session.cache.reserve(len(session.prefix_ids))  # admission: its framing must fit now
         except BaseException:
             session.cache.release()
@@ -324,6 +326,9 @@ class EngineCore:
                 "flash_staleness_versions_max": max((s.data_version - q.answer.data_version for s, q in answered),
                                                     default=0),
                 "flash_staleness_seconds_max": round(max(stale_s, default=0.0), 3),
+                "flash_staleness": {s.id: (s.staleness.cumulative(), s.staleness.count, round(s.staleness.sum, 6))
+                                    for s in sessions if s.staleness.count},
+                "flash_stale_marked": sum(1 for s in sessions for q in list(s.flash.values()) if q.stale),
                 "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token,
                 "attention_backend": self.runner.attention_backend}
 

@@ -9,6 +9,14 @@ token for every unfinished question.
 An evaluation is labelled with the `data_version` it started on. Input that lands while it
 runs does not change that label (the prefix it reads is frozen: appends only write past it);
 a revise, which rewrites the prefix, cancels it.
+
+Answers never go stale in silence. Questions are first evaluated after the first input (never
+on the bare framing). Each `flash.updated` carries `staleness_ms`: from the moment the data it
+saw was accepted to the push. A question whose last evaluation is more than
+`EngineLimits.flash_stale_versions` versions or `flash_stale_s` seconds behind the data gets
+one `flash.stale` (reason `behind`) and is then evaluated even while input is still queued; a
+question that cannot be evaluated says why at once (`no_room`: question and answer do not fit
+the model's window; `failed`: the evaluation raised). The next evaluation clears the mark.
 """
 
 from __future__ import annotations
@@ -71,10 +79,11 @@ class FlashQuestion:
     evaluated_version: int = -1
     last_eval_at: float = 0.0
     evaluations: int = 0
+    stale: str | None = None  # why it is marked stale (behind | no_room | failed), until its next evaluation
     history: deque = field(default_factory=lambda: deque(maxlen=32))
 
     def due(self, version: int, now: float) -> bool:
-        return self.evaluated_version < version and now - self.last_eval_at >= self.min_interval_s
+        return 0 < version and self.evaluated_version < version and now - self.last_eval_at >= self.min_interval_s
 
     def observe(self, result: FlashAnswer) -> bool:
         """Record an evaluation; True when it is to be pushed (first answer, or a change seen
@@ -100,7 +109,7 @@ class FlashQuestion:
     def state(self, data_version: int) -> dict:
         out = {"flash_id": self.flash_id, "question": self.question, "max_tokens": self.max_tokens,
                "priority": self.priority, "min_interval_ms": self.min_interval_s * 1000, "confirm": self.confirm,
-               "evaluations": self.evaluations}
+               "evaluations": self.evaluations, "stale": self.stale}
         if self.answer is not None:
             out.update(self.answer.public())
             out["staleness"] = {"versions": data_version - self.answer.data_version,
@@ -145,6 +154,7 @@ class FlashJob(Job):
             self.prefixes += ((thinking.cache, thinking.cache.length),)
             self.pos0 = max(self.base, thinking.last_position + 1)
         self.version = session.data_version
+        self.data_at = session.last_input_at or time.time()  # when the data it reads was accepted
         self.epoch = session.crop_epoch
         self.started = time.monotonic()
         self.forks = []
@@ -158,6 +168,8 @@ class FlashJob(Job):
             self.forks.append(_Fork(q, session.runner.new_cache(need)))
         self.cancelled = False
         self.results: list[tuple[FlashQuestion, FlashAnswer]] = []
+        if any(q.stale == "behind" for q in questions):  # as urgent as the input it is behind
+            self.priority, self.urgent = Priority.INGEST, True
         if not self.forks:
             self.done = True
 
@@ -224,24 +236,32 @@ class FlashJob(Job):
         session = self.session
         if exc is not None:
             log.error("flash evaluation on session %s failed: %s", session.id, exc)
-            for f in self.forks:  # do not retry the same data in a loop
+            for f in self.forks:  # do not retry the same data in a loop; say so
                 f.q.evaluated_version = max(f.q.evaluated_version, self.version)
+                mark_stale(session, f.q, "failed", f"the evaluation failed: {exc}")
             return
         if self.cancelled:
             core.stats.flash_cancelled += 1
             return
         for q in self.skipped:  # no room to answer at this length: not retried until the data changes
             q.evaluated_version = max(q.evaluated_version, self.version)
+            mark_stale(session, q, "no_room", f"question of {len(q.question_ids)} tokens does not fit beside "
+                       f"{self.base} tokens of context in the model's window of {session.context_window}")
+        staleness_s = max(0.0, time.time() - self.data_at)
         for q, answer in self.results:
             if session.flash.get(q.flash_id) is not q:
                 continue  # unregistered while it ran
             core.stats.flash_questions_evaluated += 1
+            q.stale = None
+            session.staleness.observe(staleness_s)
             if q.observe(answer):
                 core.stats.flash_pushed += 1
-                session.notify("flash.updated", {"flash_id": q.flash_id, "question": q.question, **answer.public()})
+                session.notify("flash.updated", {"flash_id": q.flash_id, "question": q.question, **answer.public(),
+                                                 "staleness_ms": round(staleness_s * 1000, 1)})
                 fire_rules(session, q.flash_id, answer)
             else:  # not a change, but the answer is current for newer data: state watchers refresh
-                session.notify("flash.evaluated", {"flash_id": q.flash_id, "data_version": answer.data_version})
+                session.notify("flash.evaluated", {"flash_id": q.flash_id, "data_version": answer.data_version,
+                                                   "staleness_ms": round(staleness_s * 1000, 1)})
 
     def _finish(self) -> None:
         now, wall = time.monotonic(), time.time()
@@ -282,20 +302,61 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
                          min_interval_s, confirm)
 
 
-def next_evaluation(session: Session, lanes: Lanes, stop_ids: frozenset[int], thinking_due: bool) -> FlashJob | None:
+def next_evaluation(session: Session, lanes: Lanes, stop_ids: frozenset[int]) -> FlashJob | None:
     """One batched evaluation of the session's due questions (their last evaluation is older
-    than the data and their interval), when the session is idle: no input waiting, no reasoning
-    unit running or due (a higher class, and a unit may drop notes a flash fork would read)."""
+    than the data and their interval), when the session is idle: no input waiting (unless a
+    question is already marked stale: then it runs beside the input), no reasoning unit running
+    (a unit may drop notes a flash fork would read). Whether a due unit goes first is the
+    background rule's choice (`background.start`)."""
     sid = session.id
-    if lanes.running(sid, "flash") or not session.flash or session.pending_tokens:
+    if lanes.running(sid, "flash") or not session.flash:
         return None
-    if session.cache.parked is not None or lanes.running(sid, "think") or thinking_due:
-        return None
-    if lanes.input_waiting(sid):
+    if session.cache.parked is not None or lanes.running(sid, "think"):
         return None
     now = time.monotonic()
     due = [q for q in session.flash.values() if q.due(session.data_version, now)]
-    return FlashJob(session, due, stop_ids) if due else None
+    if not due:
+        return None
+    if (session.pending_tokens or lanes.input_waiting(sid)) and not any(q.stale == "behind" for q in due):
+        return None
+    return FlashJob(session, due, stop_ids)
+
+
+def mark_stale(session: Session, q: FlashQuestion, reason: str, message: str) -> None:
+    """Push `flash.stale` for one question (once per reason, until its next evaluation)."""
+    if q.stale == reason:
+        return
+    q.stale = reason
+    behind_s = session.staleness_since(q.evaluated_version)
+    session.notify("flash.stale", {
+        "flash_id": q.flash_id, "question": q.question, "reason": reason, "message": message,
+        "data_version": session.data_version, "answer": q.answer.text if q.answer is not None else None,
+        "answer_version": q.answer.data_version if q.answer is not None else None,
+        "versions_behind": session.data_version - max(0, q.evaluated_version),
+        "seconds_behind": round(behind_s, 3)})
+
+
+def check_stale(session: Session, max_versions: int, max_seconds: float) -> None:
+    """Mark the questions whose last evaluation is too far behind the data (`flash.stale`)."""
+    version = session.data_version
+    for q in session.flash.values():
+        if q.stale is not None or q.evaluated_version >= version or version == 0:
+            continue
+        versions = version - max(0, q.evaluated_version)
+        seconds = session.staleness_since(q.evaluated_version)
+        if versions > max_versions or seconds > max_seconds:
+            mark_stale(session, q, "behind", f"the answer is {versions} versions and {seconds:.1f} s behind the "
+                       f"data (limits: {max_versions} versions, {max_seconds:g} s)")
+
+
+def next_stale_s(session: Session, max_seconds: float) -> float | None:
+    """Seconds until a question that is behind crosses the staleness limit in time."""
+    soonest = None
+    for q in session.flash.values():
+        if q.stale is None and 0 < session.data_version and q.evaluated_version < session.data_version:
+            wait = max(0.0, max_seconds - session.staleness_since(q.evaluated_version))
+            soonest = wait if soonest is None else min(soonest, wait)
+    return soonest
 
 
 def next_due_s(session: Session) -> float | None:

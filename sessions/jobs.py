@@ -52,6 +52,7 @@ class Job:
     background = False  # idle-time work: aging never lifts it above interactive work
     writes_input = False  # changes what the reading cache holds (input is waiting while it is queued)
     joins = False  # the next FIFO job of the same kind may run right after it in the same step
+    urgent = False  # ranked first within its class (a stale flash evaluation)
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -204,13 +205,18 @@ class PrefillJob(Job):
         self.start: int | None = 0 if cache is not None else None
         self.chunk = None
         self.counted = cache is None  # a shared prefix fill does not add to the session's tokens
+        self.evict_first: list[int] = []  # replay: the inputs the original evicted before this one
         if self.counted:
             session.pending_tokens += len(tokens)
 
     @property
     def can_join(self) -> bool:
-        """Not started yet, so it can be written right after the job in front of it."""
-        return self.start is None
+        """Not started yet, so it can be written right after the job in front of it; in a
+        windowed session only while nothing queued needs an eviction (that runs as a job starts)."""
+        if self.start is not None or self.evict_first:
+            return False
+        s = self.session
+        return s.window is None or s.cache.length + s.pending_tokens <= s.window.max_tokens
 
     @property
     def end(self) -> int:
@@ -221,8 +227,21 @@ class PrefillJob(Job):
 
     def begin(self, after: "PrefillJob | None" = None) -> None:
         """Runs once, when the job first reaches the head of its session's queue (or joins the
-        job `after` it in one step: then it is written right after that one's tokens)."""
+        job `after` it in one step: then it is written right after that one's tokens). An input
+        to a windowed session evicts old inputs first if it would not fit."""
+        if after is None:
+            self.make_room()
         self.start = self.cache.length if after is None else after.end
+
+    def make_room(self) -> None:
+        s = self.session
+        if self.text is None or s.window is None:
+            return
+        from .window import evict_seqs, room_for_input
+
+        if self.evict_first:
+            evict_seqs(s, self.evict_first)
+        room_for_input(s, len(self.tokens))
 
     def plan_one(self, budget: int) -> SeqStep | None:
         if self.start is None:
@@ -258,7 +277,7 @@ class PrefillJob(Job):
             return None
         s = self.session
         return AppendResult(s.id, self.chunk.seq, len(self.tokens), s.cache.length, s.data_version,
-                            time.monotonic() - self.submitted_at)
+                            time.monotonic() - self.submitted_at, evicted_seqs=evicted(s))
 
     def finish(self, core, exc: BaseException | None = None) -> None:
         if exc is None and self.text is not None:
@@ -283,12 +302,22 @@ class ReviseJob(PrefillJob):
     def begin(self, after: PrefillJob | None = None) -> None:
         s = self.session
         first = s.tail_from(self.from_seq)
+        bound = s.context_window if s.window is None else s.window.max_tokens
+        if s.window is not None:  # a longer tail evicts older input first (never the tail itself)
+            from .window import evict, evict_seqs
+
+            if self.evict_first:
+                first -= len(evict_seqs(s, self.evict_first))
+            grow = len(self.tokens) - sum(len(c.tokens) for c in s.chunks[first:])
+            if s.cache.length + grow > bound:
+                first -= len(evict(s, bound - grow, limit=first))
         tail = s.chunks[first:]
         base = tail[0].start
-        if base + len(self.tokens) > s.context_window:
+        if base + len(self.tokens) > bound:
             raise ContextOverflow(
                 f"revised input of {len(self.tokens)} tokens would bring session {s.id} to "
-                f"{base + len(self.tokens)} tokens; the context window is {s.context_window} tokens")
+                f"{base + len(self.tokens)} tokens; the {'context window' if s.window is None else 'window'} "
+                f"is {bound} tokens")
         old = [t for c in tail for t in c.tokens]
         lcp = 0
         for a, b in zip(old, self.tokens):
@@ -312,15 +341,14 @@ class ReviseJob(PrefillJob):
         if self.tokens:
             self.chunk = s.record(self.text, self.start, self.tokens)
         else:  # revised to nothing: the tail is deleted
-            s.data_version += 1
-            s.last_input_at = time.time()
+            s.new_version(time.time())
         self.done = True
 
     def result(self) -> AppendResult:
         s = self.session
         seq = self.chunk.seq if self.chunk else 0
         return AppendResult(s.id, seq, len(self.tokens), s.cache.length, s.data_version,
-                            time.monotonic() - self.submitted_at, self.kept, self.replaced)
+                            time.monotonic() - self.submitted_at, self.kept, self.replaced, evicted_seqs=evicted(s))
 
 
 class SegmentJob(ReviseJob):
@@ -374,39 +402,45 @@ class SegmentJob(ReviseJob):
 # ---- the input commands (run on the engine thread; `core` is the EngineCore) ----------------
 
 
-def append(core, session_id: str, text: str) -> Future:
+def append(core, session_id: str, text: str, evict_first: list[int] | None = None) -> Future:
     """Resolves to an AppendResult once the text's tokens are in the cache. The text is
-    tokenized on its own (never with earlier text); a bounded session makes room first."""
+    tokenized on its own (never with earlier text). Input that can never fit is refused now; a
+    windowed session evicts old inputs when this one starts, if it must (`evict_first`: replay
+    evicts exactly the inputs the original session evicted before this one)."""
+    from .window import check_input
+
     session = core.writable(session_id)
     tokens = core.runner.tokenize(text)
     if not tokens:
         raise InvalidRequest("text is empty")
-    make_room(core, session, len(tokens))
-    return core.submit(PrefillJob(session, tokens, text))
+    check_input(session, len(tokens))
+    job = PrefillJob(session, tokens, text)
+    job.evict_first = list(evict_first or ())
+    return core.submit(job)
 
 
-def make_room(core, session: Session, tokens: int) -> None:
-    """Refuse input that cannot fit; a bounded session slides its window first if it must."""
-    from .window import SlideJob, check_window_room
-
-    if session.window is None:
-        session.check_room(tokens)
-    elif check_window_room(session, session.window, tokens):
-        core.submit(SlideJob(session, session.window))
+def evicted(session: Session) -> list[int]:
+    """Input seqs the session's window evicted since the last input reported them."""
+    return session.window.take_evicted() if session.window is not None else []
 
 
-def revise(core, session_id: str, text: str, from_seq: int | None = None) -> Future:
+def revise(core, session_id: str, text: str, from_seq: int | None = None,
+           evict_first: list[int] | None = None) -> Future:
     """Replace the input from `from_seq` on (default: the last input); resolves to an AppendResult."""
-    return core.submit(ReviseJob(core.writable(session_id), text, from_seq))
+    job = ReviseJob(core.writable(session_id), text, from_seq)
+    job.evict_first = list(evict_first or ())
+    return core.submit(job)
 
 
 def transcribe(core, session_id: str, segment: str, text: str, final: bool) -> Future:
     """Write one transcript of an audio segment (see SegmentJob); resolves to an AppendResult,
     or None when there was nothing to write."""
+    from .window import check_input
+
     session = core.writable(session_id)
     tokens = len(session.tokenize(text))
     if tokens:
-        make_room(core, session, tokens)
+        check_input(session, tokens)
     return core.submit(SegmentJob(session, segment, text, final))
 
 

@@ -128,6 +128,11 @@ class KVCache:
         """Views `[kv_heads, capacity, head_dim]` of one layer's keys and values."""
         return self._buf[index, 0], self._buf[index, 1]
 
+    def keys(self) -> torch.Tensor:
+        """The keys of every layer at once: a view `[layers, kv_heads, capacity, head_dim]` of the
+        own slots (re-anchoring rotates them in one pass)."""
+        return self._buf[:, 0]
+
     def commit(self, length: int) -> None:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"commit length {length} outside [0, {self.capacity}]")

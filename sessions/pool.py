@@ -326,6 +326,12 @@ class PagedCache:
         slots = self.pool.slots(self.extent)
         return self.pool.storage[index, 0, :, slots], self.pool.storage[index, 1, :, slots]
 
+    def keys(self) -> torch.Tensor:
+        """The own keys of every layer: a view `[layers, kv_heads, own_capacity, head_dim]`."""
+        if self.extent is None:
+            return self.pool.storage[:, 0, :, :0]
+        return self.pool.storage[:, 0, :, self.pool.slots(self.extent)]
+
     # ---- state changes -----------------------------------------------------------------------
 
     def reserve(self, total: int) -> None:

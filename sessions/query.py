@@ -100,6 +100,10 @@ class QueryJob(Job):
 
     def begin(self) -> None:
         s = self.session
+        if s.window is not None:  # a windowed session always answers: it evicts old input first
+            from .window import room_for_answer
+
+            room_for_answer(s, len(self.question_ids) + self.params.max_tokens, self._position(s, s.cache.length))
         self.base = s.cache.length
         self.data_version = s.data_version
         self.started_at = time.monotonic()
@@ -120,6 +124,14 @@ class QueryJob(Job):
             self.own = s.runner.new_cache(len(self.question_ids) + self.max_new)
         else:
             s.cache.reserve(self.base + len(self.question_ids) + self.max_new)
+
+    @staticmethod
+    def _position(s: Session, base: int) -> int:
+        """Where the question's first token goes: after the reading cache (and dual notes)."""
+        thinking = s.thinking
+        if thinking is not None and thinking.cache is not None and thinking.cache.length:
+            return max(base, thinking.last_position + 1)
+        return base
 
     def plan_one(self, budget: int) -> SeqStep | None:
         if self.base is None:

@@ -126,6 +126,16 @@ class ModelRunner:
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = param.device
         self.attention_backend = "reference"
+        self._inv_freq: torch.Tensor | None = None
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The model's rotary inverse frequencies (re-anchoring turns cached keys with them)."""
+        if self._inv_freq is None:
+            from .rope import inverse_frequencies
+
+            self._inv_freq = inverse_frequencies(self.model)
+        return self._inv_freq
 
     def set_attention_backend(self, requested: str | None) -> str:
         """Choose the attention backend (auto | reference | triton; None: the environment's

@@ -10,6 +10,8 @@ have waited, how many tokens they want, which FIFO jobs may join them) and retur
   (flash, thinking) ages at most up to the ingest class: never above questions and actions.
   Waiting counts from the job's last step, not its submission, so a long evaluation that runs
   every step does not pile up age.
+- Urgent: a flash evaluation of a question already marked stale (`flash.stale`) runs in the
+  ingest class ahead of queued input, so a feed that never pauses cannot starve it.
 - Budget: `step_tokens` per step; when a question or an action is among the candidates, the
   step is kept short (`query_step_tokens`, or what those interactive jobs need) so their
   decode steps are not slowed by a large prefill.
@@ -54,11 +56,12 @@ class Scheduler:
     aging_s: float = 2.0
 
     def rank(self, job: Job, now: float) -> tuple[float, int]:
-        """Priority class, raised one class per `aging_s` waited, then arrival order."""
+        """Priority class, raised one class per `aging_s` waited, then arrival order (an urgent
+        job, such as a stale flash evaluation, goes first within its class)."""
         aged = job.priority - (now - job.waiting_since) // self.aging_s
         if job.background:
             aged = max(aged, Priority.INGEST)
-        return aged, job.order
+        return aged, -1 if job.urgent else job.order
 
     def budget(self, jobs: list[Job]) -> int:
         interactive = [job.want() for job in jobs if job.priority <= Priority.ACTION]

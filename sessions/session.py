@@ -6,6 +6,8 @@ import hashlib
 import json
 import logging
 import time
+from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass, field
 
 from .errors import ContextOverflow, InvalidRequest
@@ -43,6 +45,33 @@ class AppendResult:
     kept_tokens: int | None = None  # revise: tokens of the replaced tail reused from the cache
     replaced_seqs: list[int] = field(default_factory=list)
     frozen_partial: bool = False  # a transcript appended because its segment's partial is no longer last
+    evicted_seqs: list[int] = field(default_factory=list)  # inputs the window evicted since the last input
+
+
+STALENESS_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus style) of flash staleness in seconds."""
+
+    __slots__ = ("counts", "count", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(STALENESS_BUCKETS_S) + 1)  # the last bucket is +Inf
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(STALENESS_BUCKETS_S, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip([*map(str, STALENESS_BUCKETS_S), "+Inf"], self.counts):
+            total += n
+            out.append((bound, total))
+        return out
 
 
 def json_object(text: str) -> dict | None:
@@ -96,6 +125,9 @@ class Session:
         self.actions = None  # ActionLoop, when a policy runs
         self.window = None  # TextWindow, when the cache is bounded (sessions/window.py)
         self.segments: dict[str, int] = {}  # audio segment -> seq of its chunk, while a partial may be revised
+        self.version_times: deque[tuple[int, float]] = deque(maxlen=1024)  # (data_version, when it was reached)
+        self.staleness = Histogram()  # flash: seconds from accepted data to its evaluated answer
+        self.idle_turn = "flash"  # whose turn it is when a reasoning unit and a flash evaluation are both due
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 
     @property
@@ -128,13 +160,28 @@ class Session:
                 f"the context window is {self.context_window} tokens "
                 f"({self.cache.length + self.pending_tokens} used)")
 
+    def new_version(self, ts: float) -> None:
+        self.data_version += 1
+        self.last_input_at = ts
+        self.version_times.append((self.data_version, ts))
+
+    def staleness_since(self, version: int) -> float:
+        """Seconds since the data moved past `version` (0 if it has not)."""
+        if version >= self.data_version or not self.version_times:
+            return 0.0
+        first = self.version_times[0][1]
+        for v, ts in reversed(self.version_times):  # O(versions behind)
+            if v <= version:
+                break
+            first = ts
+        return max(0.0, time.time() - first)
+
     def record(self, text: str, start: int, tokens: list[int]) -> Chunk:
         chunk = Chunk(self.next_seq, time.time(), text, start, tokens,
                       hashlib.sha256(text.encode()).hexdigest()[:16])
         self.next_seq += 1
         self.chunks.append(chunk)
-        self.data_version += 1
-        self.last_input_at = chunk.ts
+        self.new_version(chunk.ts)
         if self.actions is not None:  # JSON inputs are observations for the action policy
             observation = json_object(text)
             if observation is not None:

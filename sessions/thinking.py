@@ -30,6 +30,7 @@ import torch
 from .errors import EngineError, InvalidRequest
 from .jobs import UNBOUNDED, Job, Lanes, Priority
 from .kvcache import KVCache
+from .rope import rotate_keys
 from .runner import SeqStep
 from .session import Session
 
@@ -99,7 +100,7 @@ class ThinkingState:
     config: ThinkingConfig
     cache: KVCache | None = None  # dual only
     units: list[Unit] = field(default_factory=list)
-    written: int = 0  # reasoning tokens ever written (never reduced by drops): the "after" counter
+    written: int = 0  # reasoning tokens ever written (never reduced by drops)
     last_position: int = -1
     seen_tokens: int = 0  # reading length the last unit saw
     seen_seq: int = 0
@@ -138,8 +139,6 @@ def configure_command(core, session_id: str, settings: dict) -> dict:
     """Set or change the session's thinking mode and settings (ThinkingConfig fields); returns
     the session state."""
     session = core.live(session_id)
-    if session.window is not None and settings.get("mode", "off") != "off":
-        raise InvalidRequest(f"session {session_id} has a text window; thinking needs an unbounded cache")
     configure(session, parse_config(settings))
     return session.state()
 
@@ -246,15 +245,26 @@ class ThinkJob(Job):
         more tokens fit. Interleaved: the reading cache must have room."""
         state = self.state
         if not self.dual:
-            self.session.check_room(need, "reasoning")
+            if self.session.window is not None:
+                from .window import room_for_input
+
+                room_for_input(self.session, need)  # a window evicts old input to make room
+            else:
+                self.session.check_room(need, "reasoning")
             return
         while state.cache.length + need > state.cache.max_tokens and len(state.units) > 1:
             victim = state.units.pop(1)
             width = victim.end - victim.start
             state.cache.remove(victim.start, victim.end)
+            # the later notes move down into the gap, keys turned by its width: positions stay
+            # bounded by the reading window plus the thinking cache, however long it runs
+            rotate_keys(state.cache, victim.start, state.cache.length - victim.start, -width,
+                        self.session.runner.inv_freq)
             for u in state.units[1:]:
                 u.start -= width
                 u.end -= width
+                u.positions = (u.positions[0] - width, u.positions[1] - width)
+            state.last_position -= width
             state.dropped_units += 1
         if state.cache.length + need > state.cache.max_tokens:
             raise InvalidRequest(f"thinking cache of {state.cache.max_tokens} tokens cannot hold a unit of {need}")
@@ -265,8 +275,8 @@ class ThinkJob(Job):
         if not self.dual:
             return self.session.cache.length
         if c.positions == "group":
-            return c.offset + state.written
-        return max(self.unit.visible + state.written, state.last_position + 1)
+            return c.offset + state.cache.length
+        return max(self.unit.visible + state.cache.length, state.last_position + 1)
 
     def plan(self, budget: int) -> list[SeqStep]:
         s = self.session

@@ -1,29 +1,43 @@
-"""A bounded reading cache for unbounded input: attention sinks + a recent window.
+"""Bounded reading caches for endless input: attention sinks + the most recent inputs.
 
-A camera or a microphone never stops, but a session's cache must. With a `TextWindow` the
-session keeps its framing prefix and its first `sink_inputs` inputs (the attention sinks:
-StreamingLLM shows a model needs its first tokens to stay stable, and they hold the stream's
-preamble, such as the frame describer's statement of what it can see), plus the most recent
-inputs. When an append would take the session past `max_tokens`, a `SlideJob` runs first: it
-drops the oldest inputs after the sinks until the rest fits in `keep_tokens`, crops the cache
-where the first dropped input began and prefills the kept inputs again right after the sinks.
-Positions are thereby re-anchored: they stay contiguous and never pass `max_tokens`, so the
-model never runs past its position range however long the stream runs.
+A live feed never stops, but a session's cache must. Every session has a `TextWindow` unless
+it asks for none (`window: null`): its framing prefix and first `sink_inputs` inputs stay (the
+attention sinks: StreamingLLM shows a model needs its first tokens to stay stable, and they
+hold the stream's preamble), and the oldest inputs after them are evicted when something new
+needs room:
 
-Re-prefill rather than re-rotating cached keys: the kept tokens' deeper-layer states were
-computed while attending to the dropped ones; re-prefilling makes the cache exactly what a
-fresh session fed the same kept inputs would hold (tests/sessions/test_window.py). Sliding down
-to `keep_tokens` (default half the window) amortises that cost: each slide re-reads at most
-`keep_tokens` tokens and buys room for `max_tokens - keep_tokens` new ones.
+- an input that would take the cache past `max_tokens` first evicts down to `keep_tokens`
+  (minus its own size), so one eviction buys room for many inputs;
+- a question (or an interleaved reasoning unit) that would leave no room to answer in the
+  model's window evicts just enough first. A windowed session always answers.
+
+Eviction costs a copy, not a forward. The kept inputs move down over the evicted ones in
+every layer (one copy of their K/V) and their keys are turned back by the gap with the RoPE
+rotation (`rope.rotate_keys`, exact: a key computed at position p and rotated by d equals the
+key computed at p + d), so positions stay contiguous and never pass `max_tokens`, however long
+the stream runs. Nothing is run through the model again: the kept tokens keep the deeper-layer
+states they were read with (the StreamingLLM trade), which for a one-layer model is exactly
+what a fresh prefill of the kept inputs at their new positions holds (tests/sessions/
+test_window.py). A dual thinking cache is re-anchored with its reading cache: its notes turn
+down by the same gap.
+
+Evictions happen when the job that needs the room starts (`PrefillJob.begin`,
+`QueryJob.begin`), so they follow the session's FIFO and depend only on what was accepted
+before, never on timing: replaying the same log evicts the same inputs (the event log's
+records carry the evicted seqs, and replay checks them). Other sessions never wait behind an
+eviction: it runs inside its own job's step, in a few milliseconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from .errors import ContextOverflow, InvalidRequest
-from .jobs import UNBOUNDED, PrefillJob
+from .rope import rotate_keys
 from .session import Session
+
+DEFAULT_WINDOW_TOKENS = 4096  # the documented default bound of a session's reading cache
 
 
 @dataclass(slots=True)
@@ -31,116 +45,241 @@ class TextWindow:
     """Bounds of a session's reading cache (tokens, the framing prefix included)."""
 
     max_tokens: int
-    keep_tokens: int = 0  # tokens left after a slide (0: half of max_tokens)
-    sink_inputs: int = 1  # first inputs that are never dropped
+    keep_tokens: int = 0  # tokens left after an eviction for input (0: three quarters of max_tokens)
+    sink_inputs: int = 1  # first inputs that are never evicted
+    default: bool = False  # the default window (media may resize it), not one the client chose
     slides: int = 0
     dropped_inputs: int = 0
     dropped_tokens: int = 0
-    reprefilled_tokens: int = 0
+    moved_tokens: int = 0
+    slide_ms_total: float = 0.0
+    last_slide_ms: float = 0.0
+    last_evicted_seq: int = 0
+    evicted: list[int] = field(default_factory=list)  # seqs evicted since the last input took them
 
     def __post_init__(self) -> None:
         if not self.keep_tokens:
-            self.keep_tokens = self.max_tokens // 2
+            self.keep_tokens = self.max_tokens * 3 // 4
         if not 0 < self.keep_tokens <= self.max_tokens:
-            raise InvalidRequest(f"window keep_tokens {self.keep_tokens} must be in [1, max_tokens={self.max_tokens}]")
+            raise InvalidRequest(f"window keep_tokens {self.keep_tokens} must be in [1, max_tokens={self.max_tokens}]",
+                                 param="keep_tokens")
         if self.sink_inputs < 0:
-            raise InvalidRequest(f"window sink_inputs must be >= 0, got {self.sink_inputs}")
+            raise InvalidRequest(f"window sink_inputs must be >= 0, got {self.sink_inputs}", param="sink_inputs")
 
     def public(self) -> dict:
         return {"max_tokens": self.max_tokens, "keep_tokens": self.keep_tokens, "sink_inputs": self.sink_inputs,
-                "slides": self.slides, "dropped_inputs": self.dropped_inputs, "dropped_tokens": self.dropped_tokens,
-                "reprefilled_tokens": self.reprefilled_tokens}
+                "default": self.default, "slides": self.slides, "dropped_inputs": self.dropped_inputs,
+                "dropped_tokens": self.dropped_tokens, "moved_tokens": self.moved_tokens,
+                "last_evicted_seq": self.last_evicted_seq,
+                "last_slide_ms": round(self.last_slide_ms, 3),
+                "slide_ms_mean": round(self.slide_ms_total / self.slides, 3) if self.slides else 0.0}
+
+    def take_evicted(self) -> list[int]:
+        """The input seqs evicted since the last call (reported with the input that caused it)."""
+        out, self.evicted = self.evicted, []
+        return out
 
 
-def set_window(session: Session, max_tokens: int, keep_tokens: int = 0, sink_inputs: int = 1) -> TextWindow:
-    """Bound the session's cache. Refused with thinking on (its notes track reading positions)."""
-    if session.thinking is not None and session.thinking.config.mode != "off":
-        raise InvalidRequest(f"session {session.id} thinks while reading; a text window needs thinking 'off'")
+def reserve_tokens(limits, context_window: int) -> int:
+    """Room a default window leaves free in the model's window: the longest question plus the
+    longest answer (flash evaluations and dual-mode notes fit in it too), at most half of it. So
+    with the default window no question ever needs to evict input."""
+    return min(limits.max_question_tokens + limits.max_answer_tokens, context_window // 2)
+
+
+def default_size(limits, context_window: int, prefix_tokens: int = 0) -> int:
+    """The default bound: DEFAULT_WINDOW_TOKENS, or less where the model's window minus the
+    reserve is smaller; always some room past a long system prompt."""
+    size = min(DEFAULT_WINDOW_TOKENS, context_window - reserve_tokens(limits, context_window))
+    return min(context_window, max(size, prefix_tokens + 256))
+
+
+def set_window(session: Session, max_tokens: int, keep_tokens: int = 0, sink_inputs: int = 1,
+               default: bool = False) -> TextWindow:
+    """Bound the session's cache."""
     floor = len(session.prefix_ids) + 16
     if not floor <= max_tokens <= session.context_window:
         raise InvalidRequest(f"window max_tokens {max_tokens} must be in [{floor}, {session.context_window}] "
-                             f"(prefix {len(session.prefix_ids)} tokens + room, at most the context window)")
-    window = TextWindow(max_tokens, keep_tokens, sink_inputs)
+                             f"(prefix {len(session.prefix_ids)} tokens + room, at most the context window)",
+                             param="max_tokens")
+    window = TextWindow(max_tokens, keep_tokens, sink_inputs, default)
+    if session.window is not None:  # counters carry over a resize
+        old = session.window
+        window.slides, window.dropped_inputs, window.dropped_tokens = old.slides, old.dropped_inputs, old.dropped_tokens
+        window.moved_tokens, window.slide_ms_total, window.evicted = old.moved_tokens, old.slide_ms_total, old.evicted
+        window.last_evicted_seq = old.last_evicted_seq
     session.window = window
     return window
 
 
-def check_window_room(session: Session, window: TextWindow, new_tokens: int) -> bool:
-    """Validate an append of `new_tokens` to a windowed session; True if a slide must run first."""
-    sinks = session.chunks[: window.sink_inputs]
-    fixed = len(session.prefix_ids) + sum(len(c.tokens) for c in sinks)
+def window_args(settings: dict) -> dict:
+    """`set_window` keywords from a client's `window` object (unknown keys are refused)."""
+    known = {"max_tokens", "keep_tokens", "sink_inputs"}
+    extra = set(settings) - known
+    if extra:
+        raise InvalidRequest(f"window has no field {sorted(extra)[0]!r}", param=sorted(extra)[0])
+    if settings.get("max_tokens") is None:
+        raise InvalidRequest("window needs 'max_tokens' (or null for an unbounded session)", param="max_tokens")
+    return {"max_tokens": settings["max_tokens"], "keep_tokens": settings.get("keep_tokens") or 0,
+            "sink_inputs": settings.get("sink_inputs", 1)}
+
+
+def check_input(session: Session, new_tokens: int) -> None:
+    """Refuse, when it is submitted, input that can never fit: a windowed session's input must
+    fit beside its prefix and sinks; an unbounded one's must fit the rest of the model's window."""
+    window = session.window
+    if window is None:
+        session.check_room(new_tokens)
+        return
+    fixed = len(session.prefix_ids) + sum(len(c.tokens) for c in session.chunks[: window.sink_inputs])
     if fixed + new_tokens > window.max_tokens:
         raise ContextOverflow(
             f"input of {new_tokens} tokens does not fit session {session.id}'s window of {window.max_tokens} "
             f"tokens next to its {fixed} prefix and sink tokens")
-    return session.cache.length + session.pending_tokens + new_tokens > window.max_tokens
 
 
-class SlideJob(PrefillJob):
-    """Drop the oldest inputs after the sinks and re-prefill the rest right after them."""
-
-    kind = "slide"
-    joins = False
-
-    def __init__(self, session: Session, window: TextWindow) -> None:
-        super().__init__(session, [], None)
-        self.window = window
-
-    def want(self) -> int:
-        return UNBOUNDED if self.start is None else super().want()
-
-    def begin(self, after=None) -> None:
-        s, w = self.session, self.window
-        first = min(w.sink_inputs, len(s.chunks))
-        target = min(w.keep_tokens, w.max_tokens - s.pending_tokens)
-        drop = first
-        length = s.cache.length
-        while drop < len(s.chunks) and length > target:
-            length -= len(s.chunks[drop].tokens)
-            drop += 1
-        self.start = s.cache.length
-        if drop == first:  # nothing to drop (another slide already made room)
-            return
-        dropped, kept = s.chunks[first:drop], s.chunks[drop:]
-        base = dropped[0].start
-        s.cache.crop(base)
-        s.crop_epoch += 1  # forks reading the old positions (flash evaluations) are now stale
-        del s.chunks[first:drop]
-        pos = base
-        for chunk in kept:  # re-anchored: contiguous right after the sinks
-            chunk.start, pos = pos, pos + len(chunk.tokens)
-        self.tokens = [t for c in kept for t in c.tokens]
-        if not self.tokens:
-            s.last_logits = None  # known again after the next input
-        s.pending_tokens += len(self.tokens)
-        self.start, self.pos = base, 0
-        w.slides += 1
-        w.dropped_inputs += len(dropped)
-        w.dropped_tokens += sum(len(c.tokens) for c in dropped)
-        w.reprefilled_tokens += len(self.tokens)
-        s.log.info("window slide: dropped %d inputs (%d tokens), re-prefilling %d", len(dropped),
-                   sum(len(c.tokens) for c in dropped), len(self.tokens))
-
-    def finish_input(self) -> None:
-        self.done = True
+def room_for_input(session: Session, new_tokens: int) -> None:
+    """Called as an input starts (its turn in the FIFO): evict if it would pass the window."""
+    window = session.window
+    if window is None or session.cache.length + new_tokens <= window.max_tokens:
+        return
+    target = window.keep_tokens - new_tokens
+    if target < len(session.prefix_ids):
+        target = window.max_tokens - new_tokens
+    evict(session, target)
+    if session.cache.length + new_tokens > window.max_tokens:
+        raise ContextOverflow(
+            f"input of {new_tokens} tokens does not fit session {session.id}'s window of {window.max_tokens} "
+            f"tokens beside the {session.cache.length} tokens it must keep")
 
 
-def configure(core, session_id: str, max_tokens: int, keep_tokens: int = 0, sink_inputs: int = 1) -> dict:
-    """Bound the session's reading cache: sinks + recent inputs. Returns the session state."""
+def room_for_answer(session: Session, need: int, position: int) -> None:
+    """Called as a question starts: a windowed session evicts until `need` more tokens (question +
+    answer) fit after `position` in the model's window; an unbounded one is left alone."""
+    if session.window is None:
+        return
+    over = position + need - session.context_window
+    if over > 0:
+        evict(session, session.cache.length - over)
+
+
+def evict(session: Session, target: int, limit: int | None = None) -> list:
+    """Evict the oldest inputs after the sinks until the reading cache holds at most `target`
+    tokens (or only prefix and sinks are left; never the chunk at index `limit` or later).
+    Returns the evicted chunks."""
+    s, w = session, session.window
+    first = min(w.sink_inputs, len(s.chunks))
+    end = len(s.chunks) if limit is None else min(limit, len(s.chunks))
+    drop, length = first, s.cache.length
+    while drop < end and length > target:
+        length -= len(s.chunks[drop].tokens)
+        drop += 1
+    return _evict_range(s, first, drop)
+
+
+def evict_seqs(session: Session, seqs: list[int]) -> list:
+    """Evict exactly these inputs (replay: what the original session evicted before an input).
+    They must be the oldest inputs after the sinks, in order."""
+    s = session
+    if s.window is None:
+        raise InvalidRequest(f"session {s.id} has no window to evict inputs {seqs} from")
+    first = min(s.window.sink_inputs, len(s.chunks))
+    drop, wanted = first, list(seqs)
+    while wanted and drop < len(s.chunks):
+        seq = s.chunks[drop].seq
+        if seq and seq != wanted[0]:
+            break
+        if seq:
+            wanted.pop(0)
+        drop += 1
+    if wanted:
+        live = [c.seq for c in s.chunks[first:first + 5]]
+        raise InvalidRequest(f"inputs {wanted} are not the oldest evictable inputs of session {s.id} "
+                             f"(oldest after the sinks: {live})")
+    return _evict_range(s, first, drop)
+
+
+def _evict_range(s: Session, first: int, drop: int) -> list:
+    """Evict `s.chunks[first:drop]`: move the later K/V down over them and turn their keys."""
+    w = s.window
+    if drop <= first:
+        return []
+    started = time.perf_counter()
+    gone = s.chunks[first:drop]
+    a, b = gone[0].start, gone[-1].end
+    moved = s.cache.length - b
+    shift = b - a
+    s.cache.remove(a, b)  # the kept K/V move down in every layer: one copy
+    rotate_keys(s.cache, a - s.cache.prefix_len, moved, -shift, s.runner.inv_freq)  # keys turn back by the gap
+    del s.chunks[first:drop]
+    for chunk in s.chunks[first:]:
+        chunk.start -= shift
+    s.crop_epoch += 1  # forks reading the old positions (flash, dual units) are now stale
+    _reanchor_thinking(s, a, shift)
+    seqs = [c.seq for c in gone if c.seq]
+    if s.segments:
+        s.segments = {k: v for k, v in s.segments.items() if v not in seqs}
+    w.evicted.extend(seqs)
+    ms = (time.perf_counter() - started) * 1000
+    w.slides += 1
+    w.dropped_inputs += len(gone)
+    w.dropped_tokens += shift
+    w.moved_tokens += moved
+    w.slide_ms_total += ms
+    w.last_slide_ms = ms
+    if seqs:
+        w.last_evicted_seq = seqs[-1]
+    s.log.info("window: evicted %d inputs (%d tokens), moved %d tokens down in %.1f ms", len(gone), shift, moved, ms)
+    return gone
+
+
+def _reanchor_thinking(session: Session, a: int, shift: int) -> None:
+    """The notes of a dual thinking cache sit after the reading positions they saw: a unit that
+    saw the evicted inputs moves down with the reading cache (by the part of the gap it saw),
+    so thinking positions stay bounded too."""
+    state = session.thinking
+    if state is None or state.cache is None:
+        return
+    for unit in state.units:
+        delta = min(shift, max(0, unit.visible - a))
+        if delta:
+            unit.visible -= delta
+            rotate_keys(state.cache, unit.start, unit.end - unit.start, -delta, session.runner.inv_freq)
+            unit.positions = (unit.positions[0] - delta, unit.positions[1] - delta)
+    state.last_position = state.units[-1].positions[1] if state.units else -1
+    state.seen_tokens -= min(shift, max(0, state.seen_tokens - a))
+
+
+# ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
+
+
+def configure(core, session_id: str, max_tokens: int | None = None, keep_tokens: int = 0,
+              sink_inputs: int = 1, unbounded: bool = False) -> dict:
+    """Bound the session's reading cache (sinks + recent inputs), or with `unbounded` lift the
+    bound (input past the model's window is then refused with `context_overflow`). A cache
+    already past the new bound is evicted down to it now. Returns the session state."""
     session = core.live(session_id)
-    set_window(session, max_tokens, keep_tokens, sink_inputs)
-    if session.cache.length + session.pending_tokens > max_tokens:
-        core.submit(SlideJob(session, session.window))
+    if unbounded:
+        session.window = None
+        return session.state()
+    if max_tokens is None:
+        raise InvalidRequest("window needs 'max_tokens' (or null for an unbounded session)", param="max_tokens")
+    window = set_window(session, max_tokens, keep_tokens, sink_inputs)
+    if core.lanes.busy(session_id) or session.pending_tokens:
+        return session.state()  # evicts when its next input starts
+    if session.cache.length > max_tokens:
+        evict(session, window.keep_tokens)
     return session.state()
 
 
 def ensure(core, session_id: str, max_tokens: int) -> dict:
-    """Give a session that has no window one of `max_tokens` (at most its context window), so
-    an endless input (media) cannot fill it; sessions that think keep their cache as it is.
-    Returns {"window_set": the settings applied, or None}."""
+    """A media session keeps the media window size (`MediaConfig.window_tokens`) if its window is
+    still the default one; a window the client chose, or none, is left as it is. Returns
+    {"window_set": the settings applied, or None}."""
     session = core.live(session_id)
-    if session.window is not None or (session.thinking is not None and session.thinking.config.mode != "off"):
-        return {"window_set": None}
+    window = session.window
     size = min(max_tokens, session.context_window)
-    configure(core, session_id, size)
+    if window is None or not window.default or window.max_tokens == size:
+        return {"window_set": None}
+    set_window(session, size, default=True)
     return {"window_set": {"max_tokens": size, "keep_tokens": 0, "sink_inputs": 1}}

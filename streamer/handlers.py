@@ -30,11 +30,11 @@ from streamer.sessions.errors import Code, EngineError
 from streamer.sessions.sampling import SamplingParams
 
 from .protocol import Command, ServerProtocol
-from .records import Append, Create, End, FlashRegister, FlashUnregister, Record, Revise, Update, then
+from .records import Append, Create, End, FlashRegister, FlashUnregister, Record, Revise, Update
 from .resume import Moved
 
 # Session events a peer forwards to its producer and subscribers.
-PUBLIC_EVENTS = frozenset({"flash.updated", "reasoning.delta", "reasoning.done", "action.chunk", "action.command"})
+PUBLIC_EVENTS = frozenset({"flash.updated", "flash.stale", "reasoning.delta", "reasoning.done", "action.chunk", "action.command"})
 
 
 @dataclass(slots=True)
@@ -139,16 +139,7 @@ def session_create(cmd: Command, peer: Peer, svc: Services):
     key_name = peer.key_name if keys_on else None
     engine = svc.engine
     flash = [flash_args(item) for item in cmd["flash"] or ()]
-    fut = engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"])
-    if cmd["window"]:
-        created_fut = fut
-        fut = then(fut, lambda st: engine.configure_window(st["session_id"], **cmd["window"]))
-
-        def refused(f) -> None:  # a window the session cannot take: no half-made session stays
-            if f.exception() is not None and created_fut.exception() is None:
-                engine.close_session(created_fut.result()["session_id"])
-
-        fut.add_done_callback(refused)
+    fut = engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"], window_of(cmd))
 
     def orphan_check(f) -> None:  # engine thread: a session created after its client left
         if peer.closed and not f.cancelled() and f.exception() is None:
@@ -174,7 +165,8 @@ async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: 
         svc.mqtt.attach(sid)
     tracked = directory.track(sid, key_name)
     svc.snapshots.watch(tracked)
-    record = Create(system_prompt=cmd["system_prompt"], thinking=cmd["thinking"], window=cmd["window"],
+    record = Create(system_prompt=cmd["system_prompt"], thinking=cmd["thinking"],
+                    window=False if window_of(cmd) is None else cmd["window"],
                     flash=[FlashRegister.of(a, q).arguments() for a, q in zip(flash, state["flash"])],
                     tokens=directory.tokens.export(sid), key=key_name)
     try:
@@ -190,11 +182,20 @@ async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: 
                             tokens=tokens, subscribe_token=tokens["subscriber"], session=state)
 
 
+def window_of(cmd: Command) -> dict | str | None:
+    """The `window` a command asks for: its settings, None for `window: null` (unbounded), or
+    "default" when the field is absent."""
+    if "window" not in cmd.fields:
+        return "default"
+    return cmd["window"]
+
+
 def session_update(cmd: Command, peer: Peer, svc: Services):
     sid, engine = peer.producer_of(cmd), svc.engine
-    if cmd["thinking"] is None and cmd["window"] is None:
+    if cmd["thinking"] is None and "window" not in cmd.fields:
         raise EngineError("session.update needs 'thinking' or 'window'", code=Code.MISSING_FIELD)
-    record = Update(thinking=cmd["thinking"], window=cmd["window"])
+    window = cmd["window"] if "window" in cmd.fields else None
+    record = Update(thinking=cmd["thinking"], window=False if "window" in cmd.fields and window is None else window)
     fut, durable = svc.logged(sid, lambda _: record, lambda then_: record.apply(engine, sid, then_))
     return Await(fut, lambda st: peer.proto.event("session.updated", reply_to=cmd.event_id, session_id=sid,
                                                   session=st), durable)
@@ -286,14 +287,15 @@ def input_ack(cmd: Command, peer: Peer, svc: Services, result) -> str:
         "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
         client_seq=cmd["client_seq"], tokens=result.tokens, total_tokens=result.total_tokens,
         data_version=result.data_version, lag_ms=round(result.lag_s * 1000, 2), kept_tokens=result.kept_tokens,
-        replaced_seqs=result.replaced_seqs or None)
+        replaced_seqs=result.replaced_seqs or None, evicted_seqs=result.evicted_seqs or None)
 
 
 def input_append(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
     if (dup := duplicate_ack(cmd, peer, svc)) is not None:
         return dup
-    fut, durable = svc.logged(sid, lambda r: Append(text=cmd["text"], seq=r.seq, client_seq=cmd["client_seq"]),
+    fut, durable = svc.logged(sid, lambda r: Append(text=cmd["text"], seq=r.seq, client_seq=cmd["client_seq"],
+                                                    evicted=r.evicted_seqs or None),
                               lambda then_: svc.engine.append(sid, cmd["text"], then=then_))
     return Await(fut, lambda r: input_ack(cmd, peer, svc, r), durable)
 
@@ -303,7 +305,7 @@ def input_revise(cmd: Command, peer: Peer, svc: Services):
     if (dup := duplicate_ack(cmd, peer, svc)) is not None:
         return dup
     fut, durable = svc.logged(sid, lambda r: Revise(text=cmd["text"], seq=r.seq, client_seq=cmd["client_seq"],
-                                                    from_seq=cmd["from_seq"]),
+                                                    from_seq=cmd["from_seq"], evicted=r.evicted_seqs or None),
                               lambda then_: svc.engine.revise(sid, cmd["text"], cmd["from_seq"], then=then_))
     return Await(fut, lambda r: input_ack(cmd, peer, svc, r), durable)
 

@@ -198,21 +198,24 @@ class LoggedEngine:
         return getattr(self._engine, name)
 
     def append(self, session_id: str, text: str, then=None):
-        hook = self._events.hook(session_id, lambda r: Append(text=text, seq=r.seq, source="media"), self._loop)
+        hook = self._events.hook(session_id, lambda r: Append(text=text, seq=r.seq, source="media",
+                                                              evicted=r.evicted_seqs or None), self._loop)
         return self._engine.append(session_id, text, then=_both(hook, then))
 
     def revise(self, session_id: str, text: str, from_seq: int | None = None, then=None):
         hook = self._events.hook(session_id, lambda r: Revise(text=text, from_seq=from_seq, seq=r.seq,
-                                                              source="media"), self._loop)
+                                                              source="media", evicted=r.evicted_seqs or None),
+                                 self._loop)
         return self._engine.revise(session_id, text, from_seq, then=_both(hook, then))
 
     def transcribe(self, session_id: str, segment: str, text: str, final: bool, then=None):
         def record(r):  # what the engine did: appended, revised (or deleted) a partial, or nothing
             if r is None:
                 return None
+            evicted = r.evicted_seqs or None
             if r.replaced_seqs:
-                return Revise(text=text, from_seq=r.replaced_seqs[0], seq=r.seq, source="media")
-            return Append(text=text, seq=r.seq, source="media")
+                return Revise(text=text, from_seq=r.replaced_seqs[0], seq=r.seq, source="media", evicted=evicted)
+            return Append(text=text, seq=r.seq, source="media", evicted=evicted)
 
         hook = self._events.hook(session_id, record, self._loop)
         return self._engine.transcribe(session_id, segment, text, final, then=_both(hook, then))

@@ -83,6 +83,19 @@ def render(metrics: dict, connections: int, edge: dict | None = None, durability
     if "flash_staleness_seconds_max" in metrics:
         metric("flash_staleness_seconds", "gauge", "Largest age in seconds of a flash answer that is behind its data",
                [({}, metrics["flash_staleness_seconds_max"])])
+    metric("flash_stale_questions", "gauge", "Flash questions marked stale (flash.stale pushed, not yet re-evaluated)",
+           [({}, metrics.get("flash_stale_marked", 0))])
+    histograms = metrics.get("flash_staleness", {})
+    if histograms:
+        lines.append("# HELP streamer_flash_staleness_seconds_hist Seconds from accepted data to the flash answer "
+                     "evaluated on it, per session")
+        lines.append("# TYPE streamer_flash_staleness_seconds_hist histogram")
+        for sid, (buckets, count, total) in sorted(histograms.items()):
+            label = f'session="{_escape(sid)}"'
+            for bound, n in buckets:
+                lines.append(f'streamer_flash_staleness_seconds_hist_bucket{{{label},le="{bound}"}} {n}')
+            lines.append(f"streamer_flash_staleness_seconds_hist_sum{{{label}}} {total}")
+            lines.append(f"streamer_flash_staleness_seconds_hist_count{{{label}}} {count}")
     if durability is not None:
         metric("store_info", "gauge", "Which state store the server uses", [({"kind": durability["store"]}, 1)])
         metric("sessions_detached", "gauge", "Live sessions whose producer is disconnected", [({}, durability["detached"])])

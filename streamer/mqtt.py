@@ -1,7 +1,7 @@
 """MQTT fan-out (aiomqtt): session events out to per-session topics, robot state back in.
 
 Topics under `{prefix}/sessions/{session_id}/`:
-  flash      flash.updated events                   (QoS 1)
+  flash      flash.updated and flash.stale events   (QoS 1)
   reasoning  reasoning.done events                  (QoS 1)
   actions    action.chunk events                    (QoS 1)
   commands   action.command events (rules)          (QoS 1)
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TOPICS = {"flash.updated": "flash", "reasoning.done": "reasoning", "action.chunk": "actions",
+TOPICS = {"flash.updated": "flash", "flash.stale": "flash", "reasoning.done": "reasoning", "action.chunk": "actions",
           "action.command": "commands"}
 # Snapshot fields (streamer.durability.Keeper.snapshot) the retained state carries.
 SNAPSHOT_COUNTERS = ("data_version", "last_seq", "last_client_seq", "tokens", "context_window", "ended",
@@ -189,7 +189,12 @@ class MqttBridge:
             return
         if event == "flash.updated":
             state.flash[payload["flash_id"]] = {"answer": payload["answer"], "data_version": payload["data_version"],
-                                                "confidence": payload["confidence"]}
+                                                "confidence": payload["confidence"], "stale": None}
+        elif event == "flash.stale":  # the retained state shows it stale until the next update
+            entry = state.flash.setdefault(payload["flash_id"], {"answer": payload["answer"],
+                                                                 "data_version": payload["answer_version"]})
+            entry["stale"] = {"reason": payload["reason"], "versions_behind": payload["versions_behind"],
+                              "seconds_behind": payload["seconds_behind"]}
         elif event == "action.chunk":
             state.last_action_seq = max(state.last_action_seq, payload["seq"])
         elif event == "action.command":

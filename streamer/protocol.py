@@ -94,12 +94,14 @@ class Command:
 
 
 class _Field:
-    __slots__ = ("kind", "required", "lo", "hi", "limit", "schema")
+    __slots__ = ("kind", "required", "lo", "hi", "limit", "schema", "nullable")
 
     def __init__(self, kind: str, required: bool = False, lo: float | None = None,
-                 hi: float | None = None, limit: str | None = None, schema: dict | None = None) -> None:
+                 hi: float | None = None, limit: str | None = None, schema: dict | None = None,
+                 nullable: bool = False) -> None:
         self.kind, self.required, self.lo, self.hi, self.limit = kind, required, lo, hi, limit
         self.schema = schema  # for kind "object": the fields of the nested object
+        self.nullable = nullable  # an explicit null is a value (kept as None), not an absent field
 
 
 _SID = _Field("id", required=True)
@@ -132,9 +134,9 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "session.create": {"system_prompt": _Field("str", limit="max_system_prompt_chars"),
                        "session_id": _Field("id"), "flash": _Field("flashlist"),
                        "thinking": _Field("object", schema=THINKING_FIELDS),
-                       "window": _Field("object", schema=WINDOW_FIELDS)},
+                       "window": _Field("object", schema=WINDOW_FIELDS, nullable=True)},
     "session.update": {"session_id": _SID, "thinking": _Field("object", schema=THINKING_FIELDS),
-                       "window": _Field("object", schema=WINDOW_FIELDS)},
+                       "window": _Field("object", schema=WINDOW_FIELDS, nullable=True)},
     "session.get": {"session_id": _SID},
     "session.close": {"session_id": _SID},
     "input.text.append": {"session_id": _SID, "text": _Field("str", True, limit="max_text_chars"),
@@ -304,6 +306,9 @@ class ServerProtocol:
             raise ProtocolError(UNKNOWN_FIELD, f"{kind} has no field {_short(name)}", param=name)
         out: dict[str, Any] = {}
         for name, spec in schema.items():
+            if name in msg and msg[name] is None and spec.nullable:
+                out[name] = None
+                continue
             if name not in msg or msg[name] is None:
                 if spec.required:
                     raise ProtocolError(MISSING_FIELD, f"{kind} needs '{name}'", param=name)

@@ -60,16 +60,15 @@ class Create(Record):
     kind: ClassVar[str] = "create"
     system_prompt: str | None = None
     thinking: dict | None = None
-    window: dict | None = None
+    window: dict | bool | None = None  # its settings; False: unbounded (window: null); absent: the default
     flash: list[dict] = field(default_factory=list)  # registrations with the ids they got
     tokens: dict | None = None  # capability token digests by role
     key: str | None = None  # the API key name that created it
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
-        if not self.window:
-            return engine.create_session(self.system_prompt, session_id, self.flash or None, self.thinking, then=then_)
-        created = engine.create_session(self.system_prompt, session_id, self.flash or None, self.thinking)
-        return then(created, lambda _: engine.configure_window(session_id, **self.window), then_)
+        window = None if self.window is False else (self.window or "default")
+        return engine.create_session(self.system_prompt, session_id, self.flash or None, self.thinking, window,
+                                     then=then_)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -79,13 +78,17 @@ class Append(Record):
     seq: int | None = None  # the input seq the engine gave it
     client_seq: int | None = None
     source: str | None = None  # "media": an observation or transcript made on the server
+    evicted: list[int] | None = None  # inputs the window evicted since the previous input (replay evicts them first)
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
-        return engine.append(session_id, self.text, then=then_)
+        return engine.append(session_id, self.text, evict_first=self.evicted, then=then_)
 
     def check(self, result: Any) -> None:
         if result.seq != self.seq:
             raise ReplayError(f"record {self.n} ({self.kind}) replayed as seq {result.seq}, logged as seq {self.seq}")
+        if (result.evicted_seqs or None) != self.evicted:
+            raise ReplayError(f"record {self.n} ({self.kind}) evicted inputs {result.evicted_seqs} on replay, "
+                              f"logged {self.evicted or []}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -94,7 +97,7 @@ class Revise(Append):
     from_seq: int | None = None
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
-        return engine.revise(session_id, self.text, self.from_seq, then=then_)
+        return engine.revise(session_id, self.text, self.from_seq, evict_first=self.evicted, then=then_)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -144,11 +147,16 @@ class Update(Record):
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
         if self.thinking is None:
-            return engine.configure_window(session_id, **self.window, then=then_)
-        if not self.window:
+            return self._window(engine, session_id, then_)
+        if self.window is None:
             return engine.configure_thinking(session_id, self.thinking, then=then_)
         done = engine.configure_thinking(session_id, self.thinking)
-        return then(done, lambda _: engine.configure_window(session_id, **self.window), then_)
+        return then(done, lambda _: self._window(engine, session_id), then_)
+
+    def _window(self, engine, session_id: str, then_=None) -> Future:
+        if self.window is False:  # window: null
+            return engine.configure_window(session_id, unbounded=True, then=then_)
+        return engine.configure_window(session_id, **self.window, then=then_)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -101,7 +101,7 @@ class Snapshots:
             "context_window": state["context_window"], "data_version": state["data_version"],
             "last_seq": state["last_seq"], "last_client_seq": tracked.acked_client_seq, "ended": state["ended"],
             "flash": [{k: q.get(k) for k in ("flash_id", "question", "answer", "data_version", "confidence",
-                                             "staleness", "history")} for q in state["flash"]],
+                                             "staleness", "stale", "history")} for q in state["flash"]],
             "thinking": state["thinking"], "reasoning": "".join(tracked.reasoning)[-1000:],
             "last_action_seq": tracked.last_action_seq, "actions": list(tracked.actions)[-20:],
         }

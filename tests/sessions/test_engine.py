@@ -60,7 +60,7 @@ def test_errors_and_survival(tiny):
     engine = Sync(driven(tiny[0], max_context_tokens=120, max_sessions=2))
     sid = engine.create_session()["session_id"]
     engine.append(sid, "Kept. ")
-    with pytest.raises(ContextOverflow, match="context window is 120 tokens"):
+    with pytest.raises(ContextOverflow, match="window of 120 tokens"):
         engine.append(sid, "word " * 200)
     with pytest.raises(SessionNotFound):
         engine.append("missing", "x")

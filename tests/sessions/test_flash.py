@@ -120,9 +120,10 @@ def test_engine_evaluates_after_updates_and_answers_from_cache(tiny):
     state = sync.register_flash(sid, QUESTIONS[0], max_tokens=10)
     assert state["flash_id"] == "f1"
     engine.run_until_idle()
-    assert len(updates) == 1  # evaluated on the (empty) data at once
+    assert updates == [] and engine.stats.flash_evaluations == 0  # no answers from no data
     sync.append(sid, TEXT[0])
-    assert engine.stats.flash_questions_evaluated == 2
+    assert engine.stats.flash_questions_evaluated == 1 and len(updates) == 1
+    assert updates[0][1]["data_version"] == 1 and updates[0][1]["staleness_ms"] >= 0
     session = engine.sessions[sid]
     q = session.flash["f1"]
     assert q.answer.data_version == 1
@@ -210,6 +211,7 @@ def test_registration_limits_and_unregister(tiny):
     engine = driven(runner, max_flash_per_session=2, max_answer_tokens=64)
     sync = Sync(engine)
     sid = sync.create_session()["session_id"]
+    sync.append(sid, "Some data. ")
     sync.register_flash(sid, "Who?", flash_id="a")
     with pytest.raises(EngineError) as exc:
         sync.register_flash(sid, " who ")
@@ -243,6 +245,7 @@ def test_min_interval_spaces_evaluations(tiny):
     engine = driven(runner)
     sync = Sync(engine)
     sid = sync.create_session()["session_id"]
+    sync.append(sid, "a ")
     sync.register_flash(sid, QUESTIONS[0], max_tokens=4, min_interval_s=0.5)
     q = engine.sessions[sid].flash["f1"]
     assert q.evaluations == 1

@@ -87,7 +87,8 @@ def test_rule_fires_exactly_once_per_answer_change(tiny_engine, broker):
         created = await peer.request({"type": "session.create", "flash": [
             {"question": "Is a person in front of the robot?", "flash_id": "person"}]})
         sid = created["session_id"]
-        await next_of(peer, "flash.updated")
+        await peer.request({"type": "input.text.append", "session_id": sid, "text": "The hall is empty."})
+        await next_of(peer, "flash.updated")  # first evaluated after the first input
         rule = await peer.request({"type": "action.rule", "session_id": sid, "flash_id": "person",
                                    "pattern": "^yes", "command": {"action": "stop"}, "rule_id": "halt"})
         assert rule["type"] == "action.rule.added"
