@@ -53,6 +53,7 @@ class EngineLimits:
     max_answer_tokens: int = 1024
     max_context_tokens: int | None = None  # per session; default: the model's window
     max_flash_per_session: int = 16
+    window_tokens: int = 4096  # default bound of a session's reading cache (window.default_size)
     flash_stale_versions: int = 8  # a flash answer this many versions behind its data is pushed as flash.stale
     flash_stale_s: float = 20.0  # ... or this many seconds behind
     kv_budget_bytes: int | None = None  # the KV pool; default: half the memory available at start

@@ -137,7 +137,6 @@ class _Fork:
 class FlashJob(Job):
     """One evaluation of several flash questions of a session, batched."""
 
-    priority = Priority.FLASH
     kind = "flash"
     beside = True
     background = True
@@ -168,14 +167,22 @@ class FlashJob(Job):
             self.forks.append(_Fork(q, session.runner.new_cache(need)))
         self.cancelled = False
         self.results: list[tuple[FlashQuestion, FlashAnswer]] = []
-        if any(q.stale == "behind" for q in questions):  # as urgent as the input it is behind
-            self.priority, self.urgent = Priority.INGEST, True
         if not self.forks:
             self.done = True
 
     @property
     def reads_notes(self) -> bool:
         return True  # its forks may read the thinking cache for as long as it runs
+
+    @property
+    def urgent(self) -> bool:
+        """A question it evaluates is marked stale: it is as urgent as the input it is behind
+        (ranked first in the ingest class), even if it was queued before the mark."""
+        return any(f.q.stale == "behind" for f in self.forks if not f.done)
+
+    @property
+    def priority(self) -> Priority:
+        return Priority.INGEST if self.urgent else Priority.FLASH
 
     def want(self) -> int:
         return sum(len(f.q.question_ids) - f.fed if f.fed < len(f.q.question_ids) else 1

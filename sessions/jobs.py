@@ -16,6 +16,7 @@ its FIFO into the same step), `background` (idle-time work, never aged above que
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ class Job:
     background = False  # idle-time work: aging never lifts it above interactive work
     writes_input = False  # changes what the reading cache holds (input is waiting while it is queued)
     joins = False  # the next FIFO job of the same kind may run right after it in the same step
-    urgent = False  # ranked first within its class (a stale flash evaluation)
+    urgent = False  # takes the budget right after interactive work (a stale flash evaluation)
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -76,6 +77,10 @@ class Job:
     def want(self) -> int:
         """Tokens it could run in the next step (0: it finishes without a forward)."""
         return UNBOUNDED
+
+    def ready(self, lanes: "Lanes") -> bool:
+        """Whether it may run now (a FIFO head that is not ready holds its queue for a step)."""
+        return True
 
     def plan(self, budget: int) -> list[SeqStep]:
         step = self.plan_one(budget)
@@ -144,20 +149,29 @@ class Lanes:
         return list(self.fifo.pop(session_id, ())) + list(self.side.pop(session_id, {}).values())
 
     def heads(self) -> Iterator[Job]:
-        """Every job that may run now: each FIFO's head and every job beside a FIFO."""
+        """Every job that may run now: each FIFO's head (if it is ready) and every job beside a FIFO."""
         for queue in self.fifo.values():
-            if queue:
+            if queue and queue[0].ready(self):
                 yield queue[0]
         for side in self.side.values():
             yield from side.values()
 
     def followers(self, job: Job) -> list[Job]:
-        """FIFO jobs right behind `job` that may join it in one step (appends behind an append)."""
+        """FIFO jobs right behind `job` that may join it in one step (appends behind an append;
+        in a windowed session only as far as they fit the window without an eviction)."""
         queue = self.fifo.get(job.session.id, ())
+        if not job.joins or len(queue) < 2:
+            return []
+        window = job.session.window
+        end = job.planned_end() if window is not None else 0
         out = []
-        for nxt in list(queue)[1:]:
-            if not (job.joins and nxt.joins and nxt.can_join):
+        for nxt in itertools.islice(queue, 1, None):
+            if end is None or not (nxt.joins and nxt.can_join):
                 break
+            if window is not None:
+                end += len(nxt.tokens)
+                if end > window.max_tokens:
+                    break
             out.append(nxt)
         return out
 
@@ -211,12 +225,29 @@ class PrefillJob(Job):
 
     @property
     def can_join(self) -> bool:
-        """Not started yet, so it can be written right after the job in front of it; in a
-        windowed session only while nothing queued needs an eviction (that runs as a job starts)."""
-        if self.start is not None or self.evict_first:
-            return False
-        s = self.session
-        return s.window is None or s.cache.length + s.pending_tokens <= s.window.max_tokens
+        """Not started yet, so it can be written right after the job in front of it (replay's
+        evictions run as a job starts: such a job starts on its own)."""
+        return self.start is None and not self.evict_first
+
+    def ready(self, lanes: Lanes) -> bool:
+        """An input whose start will evict waits while an urgent (stale) flash evaluation of its
+        session runs: the eviction would cancel it, and a feed that evicts often would keep a
+        stale answer from ever catching up. The evaluation is short; then the input goes."""
+        if self.start is not None or self.session.window is None or self.planned_end() is not None:
+            return True
+        evaluation = lanes.side.get(self.session.id, {}).get("flash")
+        return evaluation is None or not evaluation.urgent
+
+    def planned_end(self) -> int | None:
+        """Where its last token will go if nothing is evicted first (None: it will evict, or
+        it is not an input of the session's cache)."""
+        if self.start is not None:
+            return self.start + len(self.tokens)
+        end = self.cache.length + len(self.tokens)
+        window = self.session.window
+        if self.evict_first or (window is not None and end > window.max_tokens):
+            return None
+        return end
 
     @property
     def end(self) -> int:

@@ -10,8 +10,9 @@ have waited, how many tokens they want, which FIFO jobs may join them) and retur
   (flash, thinking) ages at most up to the ingest class: never above questions and actions.
   Waiting counts from the job's last step, not its submission, so a long evaluation that runs
   every step does not pile up age.
-- Urgent: a flash evaluation of a question already marked stale (`flash.stale`) runs in the
-  ingest class ahead of queued input, so a feed that never pauses cannot starve it.
+- Urgent: a flash evaluation of a question already marked stale (`flash.stale`) takes the
+  budget right after questions and actions, ahead of any backlog of input however long it has
+  waited, so a feed that never pauses cannot starve it (it needs few tokens per step).
 - Budget: `step_tokens` per step; when a question or an action is among the candidates, the
   step is kept short (`query_step_tokens`, or what those interactive jobs need) so their
   decode steps are not slowed by a large prefill.
@@ -56,12 +57,21 @@ class Scheduler:
     aging_s: float = 2.0
 
     def rank(self, job: Job, now: float) -> tuple[float, int]:
-        """Priority class, raised one class per `aging_s` waited, then arrival order (an urgent
-        job, such as a stale flash evaluation, goes first within its class)."""
+        """Priority class, raised one class per `aging_s` waited, then arrival order."""
         aged = job.priority - (now - job.waiting_since) // self.aging_s
         if job.background:
             aged = max(aged, Priority.INGEST)
-        return aged, -1 if job.urgent else job.order
+        return aged, job.order
+
+    def order(self, heads: list[Job], now: float) -> list[Job]:
+        """Heads in the order they take the budget: by rank, except that urgent jobs come right
+        after the interactive ones (questions, actions), ahead of any backlog however aged."""
+        ranked = sorted(heads, key=lambda job: self.rank(job, now))
+        urgent = [job for job in ranked if job.urgent]
+        if not urgent:
+            return ranked
+        interactive = [job for job in ranked if not job.urgent and job.priority <= Priority.ACTION]
+        return interactive + urgent + [job for job in ranked if not job.urgent and job.priority > Priority.ACTION]
 
     def budget(self, jobs: list[Job]) -> int:
         interactive = [job.want() for job in jobs if job.priority <= Priority.ACTION]
@@ -75,7 +85,7 @@ class Scheduler:
         `job` in one step. Returns the plan; nothing is changed."""
         plan = StepPlan(budget=self.budget(heads))
         left = plan.budget
-        for head in sorted(heads, key=lambda job: self.rank(job, now)):
+        for head in self.order(heads, now):
             if left <= 0:
                 break
             prev = None

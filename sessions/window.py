@@ -88,9 +88,10 @@ def reserve_tokens(limits, context_window: int) -> int:
 
 
 def default_size(limits, context_window: int, prefix_tokens: int = 0) -> int:
-    """The default bound: DEFAULT_WINDOW_TOKENS, or less where the model's window minus the
-    reserve is smaller; always some room past a long system prompt."""
-    size = min(DEFAULT_WINDOW_TOKENS, context_window - reserve_tokens(limits, context_window))
+    """The default bound: `limits.window_tokens` (DEFAULT_WINDOW_TOKENS), or less where the
+    model's window minus the reserve is smaller; always some room past a long system prompt."""
+    wanted = getattr(limits, "window_tokens", DEFAULT_WINDOW_TOKENS)
+    size = min(wanted, context_window - reserve_tokens(limits, context_window))
     return min(context_window, max(size, prefix_tokens + 256))
 
 

@@ -38,6 +38,14 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", type=positive_int, default=512,
                         help="token budget of one model step, i.e. the chunked-prefill size (default: %(default)s)")
     parser.add_argument("--max-sessions", type=positive_int, default=64, help="live sessions at once (default: %(default)s)")
+    parser.add_argument("--window-tokens", type=positive_int, default=4096,
+                        help="default bound of a session's reading cache (sinks + recent inputs; at most the model's "
+                             "window minus room for a question and its answer; default: %(default)s)")
+    parser.add_argument("--flash-stale-versions", type=positive_int, default=8,
+                        help="push flash.stale when an answer is more than this many data versions behind "
+                             "(default: %(default)s)")
+    parser.add_argument("--flash-stale-s", type=positive_float, default=20.0,
+                        help="... or more than this many seconds behind (default: %(default)s)")
     parser.add_argument("--kv-budget-mb", type=positive_int, default=None,
                         help="KV pool size in MiB (default: half the memory available at start)")
     parser.add_argument("--admission", choices=["refuse", "queue"], default="refuse",
@@ -127,7 +135,8 @@ def _engine_limits(args: argparse.Namespace):
     from streamer.sessions.engine import EngineLimits
 
     return EngineLimits(step_tokens=args.step_tokens, max_sessions=args.max_sessions, admission=args.admission,
-                        attention_backend=args.attention_backend,
+                        attention_backend=args.attention_backend, window_tokens=args.window_tokens,
+                        flash_stale_versions=args.flash_stale_versions, flash_stale_s=args.flash_stale_s,
                         kv_budget_bytes=args.kv_budget_mb << 20 if args.kv_budget_mb else None)
 
 

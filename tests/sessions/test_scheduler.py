@@ -81,3 +81,15 @@ def test_scheduling_changes_nothing():
     before = [(j.order, j.waiting_since, j.done, j.want()) for j in jobs]
     Scheduler().schedule(jobs, lambda job: [], 1000.0)
     assert [(j.order, j.waiting_since, j.done, j.want()) for j in jobs] == before
+
+
+def test_an_urgent_stale_evaluation_goes_after_questions_but_ahead_of_any_backlog():
+    query = Plain("q", Priority.QUERY, 1, 9)
+    backlog = Plain("ingest", Priority.INGEST, 2000, 1, waited=60.0)  # aged far above its class
+    stale = Plain("flash", Priority.INGEST, 24, 5, background=True)
+    stale.urgent = True
+    plan = schedule([backlog, stale, query], step_tokens=512, query_step_tokens=64)
+    assert [e.job.name for e in plan.entries] == ["q", "flash", "ingest"]
+    calm = Plain("flash", Priority.FLASH, 24, 5, background=True)  # not stale: waits behind the backlog
+    plan = schedule([backlog, calm], step_tokens=512)
+    assert names(plan) == [("ingest", 512, None)]

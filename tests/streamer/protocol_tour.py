@@ -166,6 +166,8 @@ async def main_server(rec: Recorder, engine) -> None:
             await protocol_errors(peer, sid)
         with rec.timed("ends_and_closes"):
             await ends_and_closes(rec, peer, url)
+        with rec.timed("endless"):
+            await endless_tour(peer)
         with rec.timed("media"):
             await media_tour(rec, peer)
         with rec.timed("speech"):
@@ -320,6 +322,30 @@ async def ends_and_closes(rec: Recorder, peer: Peer, url: str) -> None:
     assert resumed["replayed_records"] == 0
     await back.ok({"type": "session.close", "session_id": created["session_id"]}, "session.closed")
     await back.close()
+
+
+async def endless_tour(peer: Peer) -> None:
+    """A small window evicts (`evicted_seqs`); a window as large as the model's leaves a long
+    flash question no room (`flash.stale`, reason no_room); `window: null` is unbounded."""
+    created = await peer.ok({"type": "session.create", "window": {"max_tokens": 160, "keep_tokens": 120}},
+                            "session.created")
+    sid = created["session_id"]
+    for _ in range(20):
+        ack = await peer.ok({"type": "input.text.append", "session_id": sid, "text": "word " * 20}, "input.ack")
+        if ack.get("evicted_seqs"):
+            break
+    assert ack.get("evicted_seqs"), ack
+    ctx = created["session"]["context_window"]
+    full = await peer.ok({"type": "session.create", "window": {"max_tokens": ctx, "keep_tokens": ctx},
+                          "flash": [{"question": "Tell me all of it. " * 40, "max_tokens": 4}]}, "session.created")
+    for _ in range(ctx // 60 + 2):
+        await peer.ok({"type": "input.text.append", "session_id": full["session_id"], "text": "word " * 60},
+                      "input.ack")
+    await peer.of("flash.stale", reason="no_room")
+    unbounded = await peer.ok({"type": "session.create", "window": None}, "session.created")
+    assert unbounded["session"]["window"] is None
+    for done in (sid, full["session_id"], unbounded["session_id"]):
+        await peer.ok({"type": "session.close", "session_id": done}, "session.closed")
 
 
 async def media_tour(rec: Recorder, peer: Peer) -> None:

@@ -12,8 +12,9 @@ def test_flash_pushes_to_producer_and_subscriber_and_serves_cached_answers(tiny_
             {"question": "Who keeps the light?", "flash_id": "keeper", "max_tokens": 8}]})
         sid, token = created["session_id"], created["subscribe_token"]
         assert created["session"]["flash"][0]["flash_id"] == "keeper"
-        first = await next_of(producer, "flash.updated")
-        assert first["flash_id"] == "keeper" and first["data_version"] == 0
+        await producer.request({"type": "input.text.append", "session_id": sid, "text": "Ada keeps the light."})
+        first = await next_of(producer, "flash.updated")  # evaluated after the first input, not before
+        assert first["flash_id"] == "keeper" and first["data_version"] == 1 and first["staleness_ms"] >= 0
         assert set(first["confidence"]) == {"logit_gap", "mean_prob"} and first["eval_ms"] > 0
 
         check_error(await watcher.request({"type": "subscribe", "session_id": sid, "token": "wrong"}),
@@ -37,13 +38,13 @@ def test_flash_pushes_to_producer_and_subscriber_and_serves_cached_answers(tiny_
         async def current():  # the answer is current for the new data
             state = (await producer.request({"type": "session.get", "session_id": sid}))["session"]
             keeper = next(f for f in state["flash"] if f["flash_id"] == "keeper")
-            return keeper if keeper.get("data_version") == 1 else None
+            return keeper if keeper.get("data_version") == 2 else None
 
-        keeper = await until(current, what="the flash answer of data_version 1")
+        keeper = await until(current, what="the flash answer of data_version 2")
         await producer.send({"type": "query.create", "session_id": sid, "question": "who keeps the light",
                              "max_tokens": 8})
         done = await next_of(producer, "query.done")
-        assert done["cached"] is True and done["data_version"] == 1 and done["text"] == keeper["answer"]
+        assert done["cached"] is True and done["data_version"] == 2 and done["text"] == keeper["answer"]
 
         check_error(await producer.request({"type": "flash.register", "session_id": sid,
                                             "question": "WHO keeps the light"}), "flash_duplicate")

@@ -172,10 +172,14 @@ def test_input_beyond_context_window(tiny_engine):
         ok = await peer.request({"type": "input.text.append", "session_id": sid, "text": "Kept data. " * 10})
         err = check_error(await peer.request({"type": "input.text.append", "session_id": sid,
                                               "text": "word " * 1000}), "context_overflow")
-        assert "400 tokens" in err["message"]
+        assert "window of" in err["message"]  # a default session is bounded by its window
         state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
         assert state["tokens"] == ok["total_tokens"] and state["last_seq"] == 1  # accepted data kept
         await peer.still_serving(sid)
+        unbounded = (await peer.request({"type": "session.create", "window": None}))["session_id"]
+        err = check_error(await peer.request({"type": "input.text.append", "session_id": unbounded,
+                                              "text": "word " * 1000}), "context_overflow")
+        assert "400 tokens" in err["message"]  # an unbounded one by the model's window
 
     serve(tiny_engine, test)
 
@@ -183,7 +187,7 @@ def test_input_beyond_context_window(tiny_engine):
 def test_answer_is_clamped_at_the_context_window(tiny_engine):
     async def test(url, server):
         peer = await raw(url)
-        sid = await peer.create()
+        sid = (await peer.request({"type": "session.create", "window": None}))["session_id"]  # unbounded
         await peer.request({"type": "input.text.append", "session_id": sid, "text": "word " * 300})
         await peer.send({"type": "query.create", "session_id": sid, "question": "Count?", "max_tokens": 64})
         done = (await peer.until("query.done"))[-1]
