@@ -5,7 +5,6 @@ the evicted-and-rotated cache must equal a fresh prefill of the kept inputs at t
 positions; with more layers the first layer's keys must. Replay evicts the same inputs."""
 
 import pytest
-import torch
 from helpers import Sync, driven, result
 
 from streamer.sessions.errors import ContextOverflow, InvalidRequest
