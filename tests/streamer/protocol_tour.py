@@ -337,11 +337,14 @@ async def endless_tour(peer: Peer) -> None:
     assert ack.get("evicted_seqs"), ack
     ctx = created["session"]["context_window"]
     full = await peer.ok({"type": "session.create", "window": {"max_tokens": ctx, "keep_tokens": ctx},
-                          "flash": [{"question": "Tell me all of it. " * 40, "max_tokens": 4}]}, "session.created")
+                          "flash": [{"question": "Tell me all of it. " * 25, "max_tokens": 4}]}, "session.created")
+    await peer.ok({"type": "input.text.append", "session_id": full["session_id"], "text": "word " * 60}, "input.ack")
+    await peer.of("flash.updated", session_id=full["session_id"])  # answered while there is room
     for _ in range(ctx // 60 + 2):
         await peer.ok({"type": "input.text.append", "session_id": full["session_id"], "text": "word " * 60},
                       "input.ack")
-    await peer.of("flash.stale", reason="no_room")
+    stale = await peer.of("flash.stale", reason="no_room")
+    assert stale["answer_version"] >= 1, stale
     unbounded = await peer.ok({"type": "session.create", "window": None}, "session.created")
     assert unbounded["session"]["window"] is None
     for done in (sid, full["session_id"], unbounded["session_id"]):

@@ -268,7 +268,7 @@ def test_session_update_sets_a_window(media_engine):
         peer = await raw(url)
         sid = await peer.create()
         updated = await peer.request({"type": "session.update", "session_id": sid, "window": {"max_tokens": 300}})
-        assert updated["type"] == "session.updated" and updated["session"]["window"]["keep_tokens"] == 150
+        assert updated["type"] == "session.updated" and updated["session"]["window"]["keep_tokens"] == 225  # 3/4
         refused = await peer.request({"type": "session.update", "session_id": sid})
         check_error(refused, "missing_field")
         refused = await peer.request({"type": "session.update", "session_id": sid, "window": {"max_tokens": 3}})
