@@ -325,7 +325,8 @@ class EngineCore:
                                                     default=0),
                 "flash_staleness_seconds_max": round(max(stale_s, default=0.0), 3),
                 "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token,
-                "attention_backend": self.runner.attention_backend}
+                "attention_backend": self.runner.attention_backend,
+                "weights": self.runner.weights.public()}
 
 
 def snapshot_stats(core: EngineCore) -> dict:

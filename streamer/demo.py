@@ -80,7 +80,8 @@ def run_demo(args: argparse.Namespace, limits: EngineLimits, build: Callable[[],
         from streamer.app import build_engine
 
         def build() -> Engine:
-            return build_engine(args.model, args.dtype, args.device, limits, args.threads)
+            return build_engine(args.model, args.dtype, args.device, limits, args.threads,
+                                getattr(args, "weights", "auto"))
 
     if args.file:
         text, questions = Path(args.file).read_text(encoding="utf-8"), GENERIC_QUESTIONS
@@ -89,7 +90,8 @@ def run_demo(args: argparse.Namespace, limits: EngineLimits, build: Callable[[],
     started = time.monotonic()
     print(f"loading {args.model} model ...", flush=True)
     engine = build()
-    print(f"model ready in {time.monotonic() - started:.1f} s: {engine.runner.name}", flush=True)
+    print(f"model ready in {time.monotonic() - started:.1f} s: {engine.runner.name}, "
+          f"{engine.runner.weights.format} weights", flush=True)
 
     async def main() -> None:
         server = await StreamerServer(engine, ServerConfig(port=0)).start()
