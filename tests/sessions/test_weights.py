@@ -2,10 +2,10 @@
 loads into int4 as the same weights, `auto` follows its rule, and the exactness invariants hold
 within each format (against the same model in the same format run statelessly)."""
 
+from itertools import pairwise
+
 import pytest
 import torch
-from torch import nn
-
 from streamer.sessions.jobs import PrefillJob, ReviseJob, drive
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.query import QueryJob
@@ -23,6 +23,7 @@ from streamer.sessions.weights import (
     quantize_q4_1,
     resolve_format,
 )
+from torch import nn
 
 TEXT = ("The lighthouse keeper was named Ada Morrow. She lived on Gull Island with a grey cat called "
         "Pepper. Every evening at six she lit the lamp, and the supply boat Marigold came on Tuesdays.")
@@ -158,7 +159,7 @@ def _build(runner, chunks, budget=512):
 def test_incremental_equals_one_shot_within_a_format(tiny_format, cuts, budget):
     fmt, runner, ref = tiny_format
     bounds = [0, *cuts, len(TEXT)]
-    session = _build(runner, [TEXT[a:b] for a, b in zip(bounds, bounds[1:])], budget)
+    session = _build(runner, [TEXT[a:b] for a, b in pairwise(bounds)], budget)
     with torch.inference_mode():
         full = ref(torch.tensor([session.context_ids()])).logits[0].float()
     assert (session.last_logits - full[-1]).abs().max().item() <= TOL, fmt
