@@ -59,8 +59,13 @@ async def _stream_and_ask(url: str, text: str, questions: list[dict], chunk_char
           "once, as it arrived.")
 
 
+# Stops the embedded model's loops ("She is a kitten. She is a kitten. ...") and leaves its
+# short answers as they are (docs/protocol.md, "Penalties").
+DEMO_PENALTIES = {"frequency_penalty": 0.3}
+
+
 async def _ask(session, q: dict) -> tuple:
-    answer = await session.ask(q["question"], max_tokens=48)
+    answer = await session.ask(q["question"], max_tokens=48, **DEMO_PENALTIES)
     t = answer.timing
     found = [k for k in q.get("expect", []) if k.lower() in answer.text.lower()]
     verdict = ""
