@@ -193,3 +193,20 @@ def test_replay_equals_the_original_within_a_format(tiny_format):
     answers = [drive(runner, QueryJob(s, "q", "Which day?", SamplingParams(max_tokens=8), frozenset())).tokens
                for s in (original, replayed)]
     assert answers[0] == answers[1]
+
+
+def test_decode_rows_of_all_sessions_go_through_each_linear_as_one_gemm(tokenizer):
+    """A step that decodes for three sessions calls every linear layer once, with three rows."""
+    from streamer.sessions.runner import SeqStep
+
+    lm = build_tiny_model(tokenizer, seed=5)
+    runner = ModelRunner(lm.model, tokenizer, lm.name, apply_weights(lm.model, "int4"))
+    sessions = [_build(runner, [TEXT[:20 * (i + 1)]]) for i in range(3)]
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: calls.append(args[0].reshape(-1, mod.in_features).shape[0]))
+             for m in lm.model.modules() if isinstance(m, Int4Linear)]
+    runner.forward([SeqStep(s.cache, s.cache.length, [7]) for s in sessions])
+    for h in hooks:
+        h.remove()
+    layers = sum(1 for m in lm.model.modules() if isinstance(m, Int4Linear))
+    assert len(calls) == layers and set(calls) == {3}
