@@ -142,9 +142,11 @@ def test_formats_read_fewer_bytes(tokenizer):
         lm = build_tiny_model(tokenizer, seed=4)
         info = apply_weights(lm.model, fmt)
         assert describe_weights(lm.model).format == fmt == info.format
+        if fmt == "int4":
+            assert isinstance(lm.model.lm_head, Int8Linear)  # the output head stays 8-bit (llama.cpp: Q8_0)
         sizes[fmt] = info.linear_bytes
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
-    assert sizes["int4"] < sizes["fp32"] / 6
+    assert sizes["int4"] < sizes["fp32"] / 3  # the tiny model is mostly its (int8) output head
 
 
 def _build(runner, chunks, budget=512):
