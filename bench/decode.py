@@ -30,15 +30,15 @@ from importlib import resources
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
+from streamer.sessions.jobs import PrefillJob, drive
+from streamer.sessions.models import embedded_gguf_path
+from streamer.sessions.query import QueryJob
+from streamer.sessions.runner import SeqStep
+from streamer.sessions.sampling import SamplingParams
+from streamer.sessions.session import Session
 
-from streamer.app import build_runner  # noqa: E402
-from streamer.sessions.jobs import PrefillJob, drive  # noqa: E402
-from streamer.sessions.models import embedded_gguf_path  # noqa: E402
-from streamer.sessions.query import QueryJob  # noqa: E402
-from streamer.sessions.runner import SeqStep  # noqa: E402
-from streamer.sessions.sampling import SamplingParams  # noqa: E402
-from streamer.sessions.session import Session  # noqa: E402
+from streamer.app import build_runner
 
 QUESTION = "Which boat brought the new burner for the lamp, and who was its skipper?"
 STEP_TOKENS = 512  # the engine's default step budget (chunked prefill)
@@ -156,7 +156,7 @@ def main() -> None:
             llama.prepare(size, ids, question)
         engines = {f"ours-{fmt}": (lambda t, s=size, o=ours[fmt]: o.answer(s, t)) for fmt in formats}
         if llama is not None:
-            engines["llama.cpp"] = lambda t, s=size: llama.answer(s, t, question)
+            engines["llama.cpp"] = lambda t, s=size, q=question: llama.answer(s, t, q)
         for _ in range(args.reps):
             for name, run in engines.items():
                 r = results.setdefault((name, size), {"a8": [], "a64": [], "decode": []})
