@@ -113,7 +113,7 @@ class FlashQuestion:
 
 
 class _Fork:
-    __slots__ = ("cache", "done", "fed", "finish_reason", "gap", "generated", "planned", "probs", "q")
+    __slots__ = ("q", "cache", "fed", "generated", "gap", "probs", "done", "finish_reason", "planned")
 
     def __init__(self, q: FlashQuestion, cache: KVCache) -> None:
         self.q = q

@@ -30,17 +30,7 @@ from streamer.sessions.errors import Code, EngineError
 from streamer.sessions.sampling import PENALTY_KEYS, SamplingParams
 
 from .protocol import Command, ServerProtocol
-from .records import (
-    Append,
-    Create,
-    End,
-    FlashRegister,
-    FlashUnregister,
-    Record,
-    Revise,
-    Update,
-    then,
-)
+from .records import Append, Create, End, FlashRegister, FlashUnregister, Record, Revise, Update, then
 from .resume import Moved
 
 # Session events a peer forwards to its producer and subscribers.
