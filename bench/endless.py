@@ -3,6 +3,7 @@ once without thinking and once with dual thinking, on one in-process server (rea
 
     python bench/endless.py                          # embedded model, 10 min per run, 1 row / 0.2 s
     python bench/endless.py --minutes 1 --model tiny  # quick
+    python bench/endless.py --weights fp32            # the embedded model's weights unquantized
 
 Measured side by side in the same process:
 - ack latency p50/p99 (send to `input.ack`), and p99 of the acks whose input evicted old ones
@@ -143,19 +144,14 @@ def reprefill_ms(engine, sid: str, repeats: int = 3) -> tuple[float, int]:
     return engine.call(run).result(600)
 
 
-async def bench(model: str, minutes: float, interval: float, report=print) -> dict:
+async def bench(model: str, minutes: float, interval: float, weights: str = "auto", report=print) -> dict:
+    from streamer.app import build_runner
     from streamer.server import ServerConfig, StreamerServer
     from streamer.sessions.engine import Engine, EngineLimits
-    from streamer.sessions.models import build_tiny_model, embedded_model_dir, load_model
-    from streamer.sessions.runner import ModelRunner
 
-    if model == "tiny":
-        from transformers import AutoTokenizer
-
-        lm = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=5)
-    else:
-        lm = load_model(model)
-    engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name), EngineLimits(kv_budget_bytes=1 << 30)).start()
+    runner = build_runner(model, weights=weights)
+    report(f"model {runner.name}, weights {runner.weights.format}")
+    engine = Engine(runner, EngineLimits(kv_budget_bytes=1 << 30)).start()
     server = await StreamerServer(engine, ServerConfig(port=0)).start()
     url = f"ws://127.0.0.1:{server.port}"
     out = {}
@@ -204,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between rows (default: %(default)s)")
+    parser.add_argument("--weights", default="auto", help="auto|fp32|bf16|int8|int4 (default: %(default)s)")
     args = parser.parse_args(argv)
-    runs = asyncio.run(bench(args.model, args.minutes, args.interval))
+    runs = asyncio.run(bench(args.model, args.minutes, args.interval, args.weights))
     results = {name: summarize(name, run) for name, run in runs.items()}
     slide = statistics.median([r["reprefill_ms"] / r["slide_ms"] for r in results.values() if r["slides"]] or [0])
     ack = max(r["ack_p99_slide_ms"] / r["ack_p99_plain_ms"] for r in results.values())

@@ -331,7 +331,8 @@ class EngineCore:
                                     for s in sessions if s.staleness.count},
                 "flash_stale_marked": sum(1 for s in sessions for q in list(s.flash.values()) if q.stale),
                 "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token,
-                "attention_backend": self.runner.attention_backend}
+                "attention_backend": self.runner.attention_backend,
+                "weights": self.runner.weights.public()}
 
 
 def snapshot_stats(core: EngineCore) -> dict:

@@ -34,6 +34,7 @@ from .errors import Code, EngineError, InvalidRequest
 from .jobs import Job, Lanes, Priority
 from .kvcache import KVCache
 from .runner import SeqStep
+from .sampling import Penalties
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class FlashQuestion:
     priority: int = 0  # higher first, when a step's budget cannot take every question
     min_interval_s: float = 0.0  # at least this long between evaluations
     confirm: int = 1  # consecutive identical answers needed before a change is pushed
+    penalties: Penalties = field(default_factory=Penalties)  # on the answer's own tokens (sampling.py)
     answer: FlashAnswer | None = None  # the last pushed answer
     candidate: str | None = None  # a changed answer waiting for confirmation
     candidate_count: int = 0
@@ -109,7 +111,7 @@ class FlashQuestion:
     def state(self, data_version: int) -> dict:
         out = {"flash_id": self.flash_id, "question": self.question, "max_tokens": self.max_tokens,
                "priority": self.priority, "min_interval_ms": self.min_interval_s * 1000, "confirm": self.confirm,
-               "evaluations": self.evaluations, "stale": self.stale}
+               "evaluations": self.evaluations, "stale": self.stale, **self.penalties.public()}
         if self.answer is not None:
             out.update(self.answer.public())
             out["staleness"] = {"versions": data_version - self.answer.data_version,
@@ -220,6 +222,7 @@ class FlashJob(Job):
             self._finish()
 
     def _take(self, f: _Fork, logits: torch.Tensor) -> None:
+        logits = f.q.penalties.apply(logits, f.generated)
         token = int(torch.argmax(logits))
         probs = torch.softmax(logits.float(), dim=-1)
         if not f.generated:
@@ -283,7 +286,7 @@ class FlashJob(Job):
 
 def validate_registration(session: Session, question: str, flash_id: str | None, max_tokens: int,
                           priority: int, min_interval_s: float, confirm: int, limit: int,
-                          answer_limit: int) -> FlashQuestion:
+                          answer_limit: int, penalties: Penalties | None = None) -> FlashQuestion:
     """Check a registration against the session's registry and the limits; build it."""
     if len(session.flash) >= limit:
         raise EngineError(f"session {session.id} already has {limit} flash questions (the limit)",
@@ -303,10 +306,12 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
         raise InvalidRequest(f"confirm must be in [1, 100], got {confirm}")
     if min_interval_s < 0:
         raise InvalidRequest(f"min_interval must be >= 0, got {min_interval_s}")
+    penalties = penalties or Penalties()
+    penalties.validate()
     fid = flash_id or f"f{session.next_flash_id}"
     session.next_flash_id += 1
     return FlashQuestion(fid, question, session.question_ids(question), max_tokens, priority,
-                         min_interval_s, confirm)
+                         min_interval_s, confirm, penalties)
 
 
 def next_evaluation(session: Session, lanes: Lanes, stop_ids: frozenset[int]) -> FlashJob | None:
@@ -385,11 +390,14 @@ def cached_answer(session: Session, question: str, params, query_id: str | None)
 
     if params.temperature != 0 or params.stop or session.pending_tokens:
         return None
+    penalties = params.penalties
     key = normalize(question)
     for q in session.flash.values():
         a = q.answer
         if normalize(q.question) != key or a is None or a.data_version != session.data_version:
             continue
+        if q.penalties != penalties:
+            return None  # decoded with other penalties: a different answer
         complete = params.max_tokens == q.max_tokens or (a.finish_reason == "stop" and len(a.tokens) < params.max_tokens)
         if not complete:
             return None
@@ -404,20 +412,21 @@ def cached_answer(session: Session, question: str, params, query_id: str | None)
 
 
 def register(core, session_id: str, question: str, flash_id: str | None = None, max_tokens: int = 32,
-             priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1) -> dict:
+             priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1, **penalties: float) -> dict:
     """Register a flash question; returns its state. It is evaluated in idle time after every
-    data update, and `flash.updated` goes to the session's listeners on a change."""
+    data update, and `flash.updated` goes to the session's listeners on a change. `penalties`:
+    repetition_penalty, presence_penalty, frequency_penalty (sampling.Penalties)."""
     session = core.live(session_id)
-    q = new_question(core, session, question, flash_id, max_tokens, priority, min_interval_s, confirm)
+    q = new_question(core, session, question, flash_id, max_tokens, priority, min_interval_s, confirm, **penalties)
     session.flash[q.flash_id] = q
     return q.state(session.data_version)
 
 
 def new_question(core, session: Session, question: str, flash_id: str | None = None, max_tokens: int = 32,
-                 priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1) -> FlashQuestion:
+                 priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1, **penalties: float) -> FlashQuestion:
     limits = core.limits
     q = validate_registration(session, question, flash_id, max_tokens, priority, min_interval_s,
-                              confirm, limits.max_flash_per_session, limits.max_answer_tokens)
+                              confirm, limits.max_flash_per_session, limits.max_answer_tokens, Penalties(**penalties))
     if len(q.question_ids) > limits.max_question_tokens:
         raise InvalidRequest(f"question of {len(q.question_ids)} tokens exceeds the limit of "
                              f"{limits.max_question_tokens} tokens", code=Code.QUESTION_TOO_LONG)

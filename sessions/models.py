@@ -38,6 +38,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     name: str
+    gguf: Path | None = None  # the GGUF the weights came from (its quantized blocks can be run as they are)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -114,8 +115,9 @@ def load_model(spec: str = "embedded", dtype: str | torch.dtype = "float32",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
+    gguf = None
     if spec in EMBEDDED_ALIASES:
-        path, name = embedded_model_dir(), EMBEDDED_NAME
+        path, name, gguf = embedded_model_dir(), EMBEDDED_NAME, embedded_gguf_path()
     else:
         path, name = spec, spec
     started = time.monotonic()
@@ -126,7 +128,7 @@ def load_model(spec: str = "embedded", dtype: str | torch.dtype = "float32",
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     model.to(device).eval()
     log.info("loaded %s (%s, %s) in %.1f s", name, torch_dtype, device, time.monotonic() - started)
-    return LoadedModel(model, tokenizer, name)
+    return LoadedModel(model, tokenizer, name, gguf)
 
 
 def build_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,

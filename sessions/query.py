@@ -159,7 +159,7 @@ class QueryJob(Job):
         now = time.monotonic()
         if not self.generated:
             self.prefilled_at = now
-        token = self.sampler(logits)
+        token = self.sampler(logits, self.generated)
         if token in self.stop_ids:
             self._finish("stop")
             return

@@ -20,6 +20,7 @@ import torch
 from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend
 
 from .kvcache import KVBuffer, KVCache, KVShape
+from .weights import WeightsInfo, describe_weights
 
 ATTENTION_NAME = "streamer_cache"
 
@@ -107,7 +108,8 @@ class ModelRunner:
     """Owns a causal LM and runs packed steps over session caches. Not thread-safe: one
     thread (the engine's) drives it."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, name: str = "model") -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, name: str = "model",
+                 weights: WeightsInfo | None = None) -> None:
         register_attention()
         self.model = model
         self.tokenizer = tokenizer
@@ -126,6 +128,7 @@ class ModelRunner:
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = param.device
         self.attention_backend = "reference"
+        self.weights = weights or describe_weights(model)  # the linear layers' format (sessions/weights.py)
         self._inv_freq: torch.Tensor | None = None
 
     @property

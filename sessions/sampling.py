@@ -2,16 +2,62 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import Code, InvalidRequest
 
+PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    """Penalties on tokens the answer has already produced (its own tokens only: the context and
+    the question are not penalized, so an answer stays free to quote what it read).
+
+    repetition_penalty (CTRL, as in transformers): a seen token's logit is divided by it when
+    positive, multiplied when negative; 1 is off. presence_penalty is subtracted once from every
+    seen token's logit, frequency_penalty once per time it was seen (OpenAI's definitions); 0 is off.
+    """
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequest(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                                 param="repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
+
+    def apply(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
+        """The logits with the penalties for `generated` applied (a new tensor; the input is kept)."""
+        if not self.active or not generated:
+            return logits
+        ids, counts = torch.unique(torch.tensor(list(generated), device=logits.device), return_counts=True)
+        out = logits.float().clone()
+        seen = out[ids]
+        if self.repetition_penalty != 1.0:
+            seen = torch.where(seen > 0, seen / self.repetition_penalty, seen * self.repetition_penalty)
+        out[ids] = seen - self.presence_penalty - self.frequency_penalty * counts.float()
+        return out
+
+    def public(self) -> dict:
+        return {k: getattr(self, k) for k in PENALTY_KEYS}
+
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Decoding settings for one question. temperature 0 means greedy."""
+    """Decoding settings for one question. temperature 0 means greedy; penalties: `Penalties`."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -19,6 +65,13 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
     def validate(self, limit: int) -> None:
         if self.max_tokens > limit:
@@ -34,11 +87,13 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
         if len(self.stop) > 8 or any(not s for s in self.stop):
             raise InvalidRequest("stop takes at most 8 non-empty strings")
+        self.penalties.validate()
 
 
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
+        self.penalties = params.penalties
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator()
@@ -47,8 +102,10 @@ class Sampler:
             else:
                 self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int] = ()) -> int:
+        """The next token; `generated` (the answer so far) is what the penalties count."""
         p = self.params
+        logits = self.penalties.apply(logits, generated)
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits.float() / p.temperature

@@ -220,6 +220,7 @@ class Session:
             "parked": self.cache.parked is not None,
             "kv_bytes_per_token": self.cache.shape.bytes_per_token,
             "attention_backend": self.runner.attention_backend,
+            "weights": self.runner.weights.format,
             "inputs": len(self.chunks),
             "last_seq": self.chunks[-1].seq if self.chunks else 0,
             "ended": self.ended,

@@ -9,17 +9,27 @@ import torch
 from streamer.sessions.engine import Engine, EngineLimits
 from streamer.sessions.models import load_model
 from streamer.sessions.runner import ModelRunner
+from streamer.sessions.weights import apply_weights, check_request
 
 log = logging.getLogger(__name__)
 
 
 def build_engine(model: str = "embedded", dtype: str = "float32", device: str = "cpu",
-                 limits: EngineLimits | None = None, threads: int | None = None) -> Engine:
-    """Load a model and start its engine thread."""
+                 limits: EngineLimits | None = None, threads: int | None = None,
+                 weights: str = "auto") -> Engine:
+    """Load a model, put its linear layers in the weight format (`auto`: streamer.sessions.weights
+    AUTO_RULE; WeightFormatError for a combination that cannot run) and start its engine thread."""
     if threads:
         torch.set_num_threads(threads)
+    return Engine(build_runner(model, dtype, device, weights), limits).start()
+
+
+def build_runner(model: str = "embedded", dtype: str = "float32", device: str = "cpu",
+                 weights: str = "auto") -> ModelRunner:
+    check_request(weights, device)  # before the model loads: a wrong request fails in a second
     loaded = load_tiny(model) if model.split(":")[0] == "tiny" else load_model(model, dtype=dtype, device=device)
-    return Engine(ModelRunner(loaded.model, loaded.tokenizer, loaded.name), limits).start()
+    info = apply_weights(loaded.model, weights, device, loaded.gguf)
+    return ModelRunner(loaded.model, loaded.tokenizer, loaded.name, info)
 
 
 def load_tiny(spec: str = "tiny"):

@@ -34,6 +34,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "id or a local directory (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"], default="auto",
+                        help="format of the linear layers: int4/int8 weight-only on ATen's CPU kernels (bf16 "
+                             "activations), bf16, fp32; auto: int4 for the embedded model (its Q4_1 GGUF weights "
+                             "as they are), int8 for other checkpoints, fp32 for tiny models, the weights as "
+                             "loaded off the CPU (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--step-tokens", type=positive_int, default=512,
                         help="token budget of one model step, i.e. the chunked-prefill size (default: %(default)s)")
@@ -145,10 +150,11 @@ def _build_engine(args: argparse.Namespace, limits):
     from streamer.app import build_engine
     from streamer.kernels.backend import BackendUnavailable
     from streamer.sessions.models import ModelLoadError
+    from streamer.sessions.weights import WeightFormatError
 
     try:
-        return build_engine(args.model, args.dtype, args.device, limits, args.threads)
-    except (ModelLoadError, BackendUnavailable) as exc:
+        return build_engine(args.model, args.dtype, args.device, limits, args.threads, args.weights)
+    except (ModelLoadError, BackendUnavailable, WeightFormatError) as exc:
         raise CliError(str(exc)) from None
 
 

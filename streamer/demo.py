@@ -59,8 +59,13 @@ async def _stream_and_ask(url: str, text: str, questions: list[dict], chunk_char
           "once, as it arrived.")
 
 
+# Stops the embedded model's loops ("She is a kitten. She is a kitten. ...") and leaves its
+# short answers as they are (docs/protocol.md, "Penalties").
+DEMO_PENALTIES = {"frequency_penalty": 0.3}
+
+
 async def _ask(session, q: dict) -> tuple:
-    answer = await session.ask(q["question"], max_tokens=48)
+    answer = await session.ask(q["question"], max_tokens=48, **DEMO_PENALTIES)
     t = answer.timing
     found = [k for k in q.get("expect", []) if k.lower() in answer.text.lower()]
     verdict = ""
@@ -80,7 +85,8 @@ def run_demo(args: argparse.Namespace, limits: EngineLimits, build: Callable[[],
         from streamer.app import build_engine
 
         def build() -> Engine:
-            return build_engine(args.model, args.dtype, args.device, limits, args.threads)
+            return build_engine(args.model, args.dtype, args.device, limits, args.threads,
+                                getattr(args, "weights", "auto"))
 
     if args.file:
         text, questions = Path(args.file).read_text(encoding="utf-8"), GENERIC_QUESTIONS
@@ -89,7 +95,8 @@ def run_demo(args: argparse.Namespace, limits: EngineLimits, build: Callable[[],
     started = time.monotonic()
     print(f"loading {args.model} model ...", flush=True)
     engine = build()
-    print(f"model ready in {time.monotonic() - started:.1f} s: {engine.runner.name}", flush=True)
+    print(f"model ready in {time.monotonic() - started:.1f} s: {engine.runner.name}, "
+          f"{engine.runner.weights.format} weights", flush=True)
 
     async def main() -> None:
         server = await StreamerServer(engine, ServerConfig(port=0)).start()

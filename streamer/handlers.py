@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamer.sessions.errors import Code, EngineError
-from streamer.sessions.sampling import SamplingParams
+from streamer.sessions.sampling import PENALTY_KEYS, SamplingParams
 
 from .protocol import Command, ServerProtocol
 from .records import Append, Create, End, FlashRegister, FlashUnregister, Record, Revise, Update
@@ -329,7 +329,8 @@ def query_create(cmd: Command, peer: Peer, svc: Services):
         raise EngineError(f"query {query_id!r} is still running on session {sid}", code=Code.INVALID_FIELD)
     params = SamplingParams(
         max_tokens=f.get("max_tokens", 128), temperature=f.get("temperature", 0.0),
-        top_p=f.get("top_p", 1.0) or 1.0, top_k=f.get("top_k", 0), seed=f.get("seed"), stop=f.get("stop", []))
+        top_p=f.get("top_p", 1.0) or 1.0, top_k=f.get("top_k", 0), seed=f.get("seed"), stop=f.get("stop", []),
+        **{k: float(f[k]) for k in PENALTY_KEYS if f.get(k) is not None})
     index = itertools.count()
 
     def on_delta(delta: str) -> None:  # engine thread
@@ -380,6 +381,7 @@ def flash_unregister(cmd: Command, peer: Peer, svc: Services):
 def flash_args(fields: dict) -> dict:
     """Protocol field names -> Engine.register_flash keyword arguments."""
     args = {k: v for k, v in fields.items() if k in ("question", "flash_id", "max_tokens", "priority", "confirm")}
+    args.update({k: float(fields[k]) for k in PENALTY_KEYS if fields.get(k) is not None})
     if fields.get("min_interval_ms") is not None:
         args["min_interval_s"] = fields["min_interval_ms"] / 1000
     return args

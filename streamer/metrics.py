@@ -75,6 +75,12 @@ def render(metrics: dict, connections: int, edge: dict | None = None, durability
     metric("kv_bytes_per_token", "gauge", "Physical KV bytes per token", [({}, metrics["kv_bytes_per_token"])])
     metric("attention_backend", "gauge", "Attention backend in use (the label; value 1)",
            [({"backend": metrics["attention_backend"]}, 1)])
+    if "weights" in metrics:
+        w = metrics["weights"]
+        metric("weights_info", "gauge", "Weight format of the linear layers (the labels; value 1)",
+               [({"format": w["format"], "requested": w["requested"], "source": w["source"]}, 1)])
+        metric("linear_weight_bytes", "gauge", "Bytes of linear-layer weights a decode step reads",
+               [({}, w["linear_bytes"])])
     steps = stats["steps"] or 1
     metric("step_seconds_mean", "gauge", "Mean seconds per model step", [({}, stats["step_seconds"] / steps)])
     metric("step_tokens_mean", "gauge", "Mean tokens per model step", [({}, stats["step_tokens"] / steps)])

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 
 from streamer.sessions.errors import Code, EngineError
 
-FLASH_KEYS = ("question", "flash_id", "max_tokens", "priority", "min_interval_s", "confirm")
+FLASH_KEYS = ("question", "flash_id", "max_tokens", "priority", "min_interval_s", "confirm",
+              "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 class ReplayError(EngineError):
@@ -117,6 +118,9 @@ class FlashRegister(Record):
     priority: int | None = None
     min_interval_s: float | None = None
     confirm: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     @classmethod
     def of(cls, args: dict, state: dict) -> "FlashRegister":

@@ -234,7 +234,8 @@ class StreamerServer:
 
     def health(self) -> dict:
         stats = self.engine.snapshot_stats()
-        return {"status": "ok", "model": self.engine.runner.name, "sessions": stats["sessions"],
+        return {"status": "ok", "model": self.engine.runner.name, "weights": self.engine.runner.weights.public(),
+                "sessions": stats["sessions"],
                 "connections": len(self.connections), "context_window": self.engine.context_window}
 
     def durability_metrics(self) -> dict:

@@ -90,6 +90,8 @@ CASES = {
                         ("'media' extra", "pip install 'streamer[media]'"), block=("av",)),
     "triton-extra": Case(("serve", "--attention-backend", "triton", "--model", "/nonexistent/model"), 2,
                          ("'triton' extra", "pip install 'streamer[triton]'"), block=("triton",)),
+    "weights-off-cpu": Case(("serve", "--port", "0", "--store", "memory:", "--model", "tiny", "--device", "cuda",
+                             "--weights", "int4"), 2, ("--weights int4 runs on ATen's CPU kernels", "--weights fp32")),
     "redis-down": Case(("serve", "--port", "0", "--store", "redis://127.0.0.1:{dead}/0", "--model",
                         "/nonexistent/model"), 2, ("cannot reach Redis", "redis-server", "--store")),
     "broker-down": Case(("serve", "--port", "0", "--store", "memory:", "--mqtt", "mqtt://127.0.0.1:{dead}",

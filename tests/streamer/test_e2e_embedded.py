@@ -69,6 +69,7 @@ def test_cli_serve_and_client_stream(tmp_path):
         assert port, "server did not report its port"
         health = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10))
         assert health["status"] == "ok" and health["model"] == "SmolLM2-135M-Instruct"
+        assert health["weights"]["format"] == "int4" and health["weights"]["source"] == "gguf Q4_1"  # auto
         client = _streamer("client", "stream", str(doc), "--url", f"ws://127.0.0.1:{port}", "--chunk-chars", "300",
                            "--ask", "What is the keeper's name?", "--ask-every", "2", "--json")
         out, _ = client.communicate(timeout=300)

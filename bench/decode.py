@@ -1,0 +1,206 @@
+"""Decode speed and time-to-answer: our weight formats side by side with llama.cpp, in one run.
+
+For each context size (default 512 and 4096 tokens of the bundled log, framed as a session):
+  - ours, per weight format (default fp32 and int4; int4 is the embedded Q4_1 GGUF's own blocks):
+    the context is ingested as a session (chunked prefill, as the engine does), then a question
+    is asked as a fork on the live cache: time to an 8-token and a 64-token answer, and decode
+    ms/token over the 64-token answer;
+  - llama.cpp (`llama-cpp-python`, optional: `pip install llama-cpp-python` builds it from
+    source; never a test dependency) on the same GGUF file, the same token ids (framing,
+    context, framed question), greedy: the context is evaluated once, then each answer reuses
+    it (its longest common prefix) and evaluates the question and the answer tokens.
+Both use the same number of threads. Rounds alternate between engines, so machine drift hits
+them alike; medians are printed. Perplexity per format on the bundled log is printed after.
+
+Run: python bench/decode.py [--sizes 512,4096] [--formats fp32,int4] [--threads 2] [--reps 3]
+Last line: `RESULT decode512_vs_llama=<ours int4 ms/token / llama.cpp's> decode4k_vs_llama=<x>
+answer8_llama_vs_ours=<llama.cpp time / ours, 8-token answer, largest size>
+answer64_min_llama_vs_ours=<the smallest over sizes> ingest_vs_llama=<our tokens/s / llama.cpp's>
+int4_vs_fp32_decode=<fp32 ms/token / int4's>` (`n/a` where llama.cpp is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from importlib import resources
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from streamer.sessions.jobs import PrefillJob, drive
+from streamer.sessions.models import embedded_gguf_path
+from streamer.sessions.query import QueryJob
+from streamer.sessions.runner import SeqStep
+from streamer.sessions.sampling import SamplingParams
+from streamer.sessions.session import Session
+
+from streamer.app import build_runner
+
+QUESTION = "Which boat brought the new burner for the lamp, and who was its skipper?"
+STEP_TOKENS = 512  # the engine's default step budget (chunked prefill)
+
+
+def log_tokens(session: Session, tokens: int) -> list[int]:
+    text = resources.files("streamer").joinpath("data", "lighthouse_log.txt").read_text()
+    ids = session.tokenize(text)
+    return (ids * (tokens // len(ids) + 1))[:tokens]
+
+
+class Ours:
+    """One weight format: a session per context size, questions as forks on it."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+        self.runner = build_runner("embedded", weights=fmt)
+        self.sessions: dict[int, Session] = {}
+        self.ingest: dict[int, float] = {}
+
+    def prepare(self, size: int) -> list[int]:
+        session = Session(f"{self.fmt}-{size}", self.runner)
+        drive(self.runner, PrefillJob(session, session.prefix_ids, None), STEP_TOKENS)
+        body = log_tokens(session, size - len(session.prefix_ids))
+        started = time.perf_counter()
+        drive(self.runner, PrefillJob(session, body, None), STEP_TOKENS)
+        self.ingest[size] = len(body) / (time.perf_counter() - started)
+        self.sessions[size] = session
+        return session.context_ids() + session.question_ids(QUESTION)
+
+    def answer(self, size: int, tokens: int) -> tuple[float, float]:
+        """(seconds to a `tokens`-token answer, decode seconds per token after the first)."""
+        job = QueryJob(self.sessions[size], "q", QUESTION, SamplingParams(max_tokens=tokens), frozenset())
+        started = time.perf_counter()
+        r = drive(self.runner, job)
+        total = time.perf_counter() - started
+        return total, (r.total_s - r.first_token_s) / max(1, len(r.tokens) - 1)
+
+    def perplexity(self, tokens: int = 1024) -> float:
+        session = Session("ppl", self.runner)
+        ids = log_tokens(session, tokens)
+        cache = self.runner.new_cache(len(ids))
+        nll, count = 0.0, 0
+        for start in range(0, len(ids) - 1, STEP_TOKENS):
+            chunk = ids[start:start + STEP_TOKENS]
+            rows = self.runner.forward([SeqStep(cache, start, chunk)], logits="all")[0]
+            cache.commit(start + len(chunk))
+            targets = torch.tensor(ids[start + 1:start + 1 + len(chunk)])
+            logp = torch.log_softmax(rows[:len(targets)], dim=-1)
+            nll -= float(logp.gather(1, targets[:, None]).sum())
+            count += len(targets)
+        return math.exp(nll / count)
+
+
+class LlamaCpp:
+    """llama.cpp on the same GGUF and token ids; the context stays evaluated between answers."""
+
+    def __init__(self, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(embedded_gguf_path()), n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, n_batch=STEP_TOKENS, verbose=False)
+        self.ctx: dict[int, list[int]] = {}
+        self.ingest: dict[int, float] = {}
+
+    def prepare(self, size: int, ids: list[int], question: int) -> None:
+        context = ids[:-question]
+        self.llm.reset()
+        started = time.perf_counter()
+        self.llm.eval(context)
+        self.ingest[size] = len(context) / (time.perf_counter() - started)
+        self.ctx[size] = ids
+
+    def answer(self, size: int, tokens: int, question: int) -> tuple[float, float]:
+        ids = self.ctx[size]
+        llm = self.llm
+        if llm.n_tokens < len(ids) - question or list(llm._input_ids[:len(ids) - question]) != ids[:-question]:
+            llm.reset()
+            llm.eval(ids[:-question])  # another size was evaluated since: not timed
+        llm.n_tokens = len(ids) - question  # keep the context, drop the last question and answer
+        started = time.perf_counter()
+        llm.eval(ids[-question:])
+        first = time.perf_counter()
+        for _ in range(tokens - 1):
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        done = time.perf_counter()
+        return done - started, (done - first) / max(1, tokens - 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="512,4096")
+    ap.add_argument("--formats", default="fp32,int4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ppl-tokens", type=int, default=1024, help="0 skips perplexity")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    formats = args.formats.split(",")
+    ours = {fmt: Ours(fmt) for fmt in formats}
+    try:
+        llama = LlamaCpp(args.threads, max(sizes) + 256)
+    except ImportError:
+        llama = None
+        print("llama-cpp-python is not installed: ours only (pip install llama-cpp-python)")
+    print(f"threads={args.threads}  load average {os.getloadavg()[0]:.1f} at start")
+    results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for size in sizes:
+        ids = next(iter(ours.values())).prepare(size)
+        for fmt in formats[1:]:
+            ours[fmt].prepare(size)
+        question = len(ids) - len(next(iter(ours.values())).sessions[size].context_ids())
+        if llama is not None:
+            llama.prepare(size, ids, question)
+        engines = {f"ours-{fmt}": (lambda t, s=size, o=ours[fmt]: o.answer(s, t)) for fmt in formats}
+        if llama is not None:
+            engines["llama.cpp"] = lambda t, s=size, q=question: llama.answer(s, t, q)
+        for _ in range(args.reps):
+            for name, run in engines.items():
+                r = results.setdefault((name, size), {"a8": [], "a64": [], "decode": []})
+                r["a8"].append(run(8)[0])
+                total, per_token = run(64)
+                r["a64"].append(total)
+                r["decode"].append(per_token)
+    med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in results.items()}
+    names = [f"ours-{f}" for f in formats] + (["llama.cpp"] if llama is not None else [])
+    print(f"\n{'context':>8} {'engine':>12} {'decode ms/tok':>14} {'8-tok answer ms':>16} {'64-tok answer ms':>17} "
+          f"{'ingest tok/s':>13}")
+    for size in sizes:
+        for name in names:
+            m = med[(name, size)]
+            ingest = (llama.ingest if name == "llama.cpp" else ours[name[5:]].ingest)[size]
+            print(f"{size:>8} {name:>12} {m['decode'] * 1000:>14.1f} {m['a8'] * 1000:>16.0f} {m['a64'] * 1000:>17.0f} "
+                  f"{ingest:>13.0f}")
+    best = "int4" if "int4" in formats else formats[-1]
+    ratios = {}
+    if llama is not None:
+        print(f"\nours-{best} / llama.cpp (decode: lower is better; answers: llama.cpp time / ours, higher is better)")
+        for size in sizes:
+            o, ll = med[(f"ours-{best}", size)], med[("llama.cpp", size)]
+            print(f"{size:>8}  decode {o['decode'] / ll['decode']:.2f}x   answer8 {ll['a8'] / o['a8']:.2f}x   "
+                  f"answer64 {ll['a64'] / o['a64']:.2f}x   ingest {ours[best].ingest[size] / llama.ingest[size]:.2f}x")
+        small, large = min(sizes), max(sizes)
+        ratios["decode512_vs_llama"] = med[(f"ours-{best}", small)]["decode"] / med[("llama.cpp", small)]["decode"]
+        ratios["decode4k_vs_llama"] = med[(f"ours-{best}", large)]["decode"] / med[("llama.cpp", large)]["decode"]
+        ratios["answer8_llama_vs_ours"] = med[("llama.cpp", large)]["a8"] / med[(f"ours-{best}", large)]["a8"]
+        ratios["answer64_min_llama_vs_ours"] = min(med[("llama.cpp", s)]["a64"] / med[(f"ours-{best}", s)]["a64"]
+                                                   for s in sizes)
+        ratios["ingest_vs_llama"] = statistics.median(ours[best].ingest[s] / llama.ingest[s] for s in sizes)
+    if "fp32" in formats and best != "fp32":
+        ratios["int4_vs_fp32_decode"] = statistics.median(
+            med[("ours-fp32", s)]["decode"] / med[(f"ours-{best}", s)]["decode"] for s in sizes)
+    if args.ppl_tokens:
+        print(f"\nperplexity on {args.ppl_tokens} tokens of the bundled log:")
+        for fmt, o in ours.items():
+            print(f"  {fmt:>5} {o.perplexity(args.ppl_tokens):8.3f}  ({o.runner.weights.source}, "
+                  f"{o.runner.weights.linear_bytes / 1e6:.0f} MB of linear weights)")
+    keys = ["decode512_vs_llama", "decode4k_vs_llama", "answer8_llama_vs_ours", "answer64_min_llama_vs_ours",
+            "ingest_vs_llama", "int4_vs_fp32_decode"]
+    print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" if k in ratios else f"{k}=n/a" for k in keys))
+
+
+if __name__ == "__main__":
+    main()

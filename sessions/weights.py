@@ -1,0 +1,267 @@
+"""Weight formats for the linear layers: fp32, bf16, int8 and int4 weight-only, on ATen's CPU kernels.
+
+On a CPU a decode step is bound by the bytes of weights it reads, so the format of the linear
+layers decides its speed: fp32 reads 4 bytes a weight, bf16 2, int8 1 (`aten._weight_int8pack_mm`,
+one scale per output channel), int4 half a byte (`aten._weight_int4pack_mm_for_cpu`, a scale and
+a zero per group of 32 weights). The quantized kernels take bf16 activations: the rest of the model
+(embeddings, norms, attention, the KV cache) keeps its dtype, and each linear layer converts its
+input to bf16 and its output back.
+
+int4 keeps the output head (lm_head) int8: it is a tenth of the weights and most of the
+quality, and llama.cpp keeps it 8-bit too (Q8_0).
+
+The embedded model ships as a Q4_1 GGUF (per block of 32 weights: a scale d, a minimum m and 4-bit
+codes, w = d * q + m). Its blocks load straight into the int4 kernel's layout (codes as they are,
+zero = m + 8 d, since the kernel computes (q - 8) * scale + zero), so int4 runs the weights
+llama.cpp runs, with the scales rounded to bf16. Other checkpoints are quantized at load
+(group-wise min/max for int4, per-channel absmax for int8).
+
+`auto` (`resolve_format`) picks by a fixed rule, stated in `AUTO_RULE`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+GROUP = 32  # int4 group size (Q4_1's block size)
+SMALL_MODEL_PARAMS = 10_000_000  # below this, a step is overhead-bound: auto keeps fp32
+AUTO_RULE = ("on a CPU: int4 for a model loaded from a Q4 GGUF (the embedded one: the same weights), "
+             f"fp32 for models under {SMALL_MODEL_PARAMS // 1_000_000}M linear weights (tests' tiny "
+             "models: overhead-bound, and the exactness oracle), int8 for other checkpoints; on other "
+             "devices the weights as loaded")
+COMPUTE = torch.bfloat16  # the quantized kernels' activation dtype (fastest here: avx512_bf16)
+
+# GGUF tensor names of a Llama block -> the module path in the Hugging Face model.
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+class WeightFormatError(ValueError):
+    """A weight format that this model or device cannot run; the message says what to use."""
+
+
+@dataclass(slots=True)
+class WeightsInfo:
+    """What the runner's linear layers hold: shown in /healthz, /metrics and session state."""
+
+    format: str = "fp32"
+    source: str = "checkpoint"  # checkpoint | quantized at load | gguf Q4_1
+    linear_bytes: int = 0  # bytes of the linear layers' weights (read once per decode step)
+    requested: str = "fp32"
+
+    def public(self) -> dict:
+        return {"format": self.format, "requested": self.requested, "source": self.source,
+                "linear_bytes": self.linear_bytes}
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weights live in a packed format; input and output keep their dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(COMPUTE)
+        out = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Bf16Linear(PackedLinear):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.register_buffer("weight", linear.weight.detach().to(COMPUTE), persistent=False)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(rows, self.weight)
+
+
+class Int8Linear(PackedLinear):
+    """Symmetric per-output-channel int8 (scale = absmax / 127)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8),
+                             persistent=False)
+        self.register_buffer("scales", scale.to(COMPUTE), persistent=False)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+
+
+class Int4Linear(PackedLinear):
+    """Asymmetric int4, a scale and a zero per group of 32 input weights (Q4_1's layout)."""
+
+    def __init__(self, linear: nn.Linear, codes: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, minimum: torch.Tensor | None = None) -> None:
+        super().__init__(linear)
+        if codes is None:  # quantize the float weights: min/max per group
+            codes, scale, minimum = quantize_q4_1(linear.weight.detach())
+        n, k = codes.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1), persistent=False)
+        zero = minimum.float() + 8.0 * scale.float()  # the kernel computes (q - 8) * scale + zero
+        sz = torch.stack([scale.float(), zero], dim=-1).reshape(n, k // GROUP, 2).transpose(0, 1)
+        self.register_buffer("scales_zeros", sz.contiguous().to(COMPUTE), persistent=False)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    """The int4 kernel wants output rows in multiples of 16 and input in whole groups."""
+    return linear.out_features % 16 == 0 and linear.in_features % GROUP == 0
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 of a float weight [N, K]: codes [N, K] in 0..15, scale and minimum [N, K/32]
+    (w ~ scale * q + minimum)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return codes.reshape(n, k).to(torch.uint8), scale, lo
+
+
+def dequantize_q4_1_blocks(blocks: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """GGUF Q4_1 blocks (uint8 [rows, cols/32 * 20]: fp16 d, fp16 m, 16 bytes of codes, the low
+    nibbles being weights 0..15 of the block and the high ones 16..31) -> codes [rows, cols],
+    scale and minimum [rows, cols/32] (fp32)."""
+    b = blocks.reshape(rows, cols // GROUP, 20)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = b[..., 4:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, blocks, 32]
+    return codes.reshape(rows, cols), d, m
+
+
+def _gguf_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The inverse of the q/k row permutation that llama.cpp's converter applies (it interleaves
+    the two rotary halves of each head): row i of the Hugging Face weight is GGUF row order[i]."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def gguf_q4_1_linears(model: nn.Module, gguf_path: Path) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The Q4_1 linear weights of a Llama GGUF, keyed by module name, in the model's row order."""
+    import gguf
+
+    cfg = model.config
+    reader = gguf.GGUFReader(str(gguf_path))
+    out = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")  # blk.{i}.{kind}.weight
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS:
+            continue
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            continue
+        cols, rows = (int(x) for x in t.shape)
+        codes, d, m = dequantize_q4_1_blocks(torch.from_numpy(t.data.copy()), rows, cols)
+        if parts[2] in ("attn_q", "attn_k"):
+            heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
+            order = _gguf_row_order(rows, heads)
+            codes, d, m = codes[order], d[order], m[order]
+        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = (codes, d, m)
+    return out
+
+
+def linear_params(model: nn.Module) -> int:
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def check_request(requested: str, device: torch.device | str) -> None:
+    """What can be refused before a model loads: an unknown name, a CPU-only format elsewhere."""
+    if requested not in FORMATS:
+        raise WeightFormatError(f"unknown weight format {requested!r}: choose one of {', '.join(FORMATS)}")
+    if requested in ("int8", "int4") and torch.device(device).type != "cpu":
+        raise WeightFormatError(f"--weights {requested} runs on ATen's CPU kernels; on {device} use "
+                                "--weights fp32 or bf16 (or auto)")
+
+
+def resolve_format(requested: str, model: nn.Module, device: torch.device | str,
+                   gguf_path: Path | None = None) -> str:
+    """The format to run: `requested`, or for `auto` the rule in AUTO_RULE. Raises
+    WeightFormatError for a name, device or model the formats do not cover."""
+    check_request(requested, device)
+    cpu = torch.device(device).type == "cpu"
+    dtype = next(model.parameters()).dtype
+    if requested == "auto":
+        if not cpu:
+            return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        if gguf_path is not None:
+            return "int4"
+        return "fp32" if linear_params(model) < SMALL_MODEL_PARAMS else "int8"
+    if requested == "fp32" and dtype != torch.float32:
+        raise WeightFormatError(f"--weights fp32 with a {dtype} model: use --dtype float32, or --weights bf16")
+    return requested
+
+
+def describe_weights(model: nn.Module, requested: str | None = None) -> WeightsInfo:
+    """The format of a model's linear layers as they are (unpacked: named by their dtype)."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    plain = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if packed:
+        kinds = {Bf16Linear: "bf16", Int8Linear: "int8", Int4Linear: "int4"}
+        fmt = max((kinds[type(m)] for m in packed), key=("bf16", "int8", "int4").index)
+    else:
+        dtype = plain[0].weight.dtype if plain else torch.float32
+        fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    nbytes = sum(m.nbytes() for m in packed) + sum(m.weight.numel() * m.weight.element_size() for m in plain)
+    return WeightsInfo(format=fmt, requested=requested or fmt, linear_bytes=nbytes)
+
+
+def apply_weights(model: nn.Module, requested: str = "auto", device: torch.device | str = "cpu",
+                  gguf_path: Path | None = None) -> WeightsInfo:
+    """Put the model's linear layers (lm_head included) into the chosen format, in place."""
+    fmt = resolve_format(requested, model, device, gguf_path)
+    if fmt == "fp32" or (fmt == "bf16" and next(model.parameters()).dtype == torch.bfloat16):
+        return describe_weights(model, requested)
+    info = WeightsInfo(format=fmt, requested=requested)
+    blocks = gguf_q4_1_linears(model, gguf_path) if fmt == "int4" and gguf_path is not None else {}
+    info.source = "gguf Q4_1" if blocks else "quantized at load"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in swaps:
+        # int4 keeps the output head int8, as llama.cpp keeps it Q8_0: on the bundled log the
+        # embedded model's perplexity is 16.71 so (fp32: 16.70) and 17.32 with an int4 head.
+        packed = _pack(linear, "int8" if fmt == "int4" and linear is head else fmt, blocks.get(name))
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, packed)
+        info.linear_bytes += packed.nbytes()
+    if fmt == "int4" and any(isinstance(m, Int8Linear) for m in model.modules()):
+        log.info("layers the int4 kernel cannot shape (rows not a multiple of 16) are int8")
+    log.info("linear layers as %s (%s): %.1f MB", fmt, info.source, info.linear_bytes / 1e6)
+    return info
+
+
+def _pack(linear: nn.Linear, fmt: str, block: tuple | None) -> PackedLinear:
+    if fmt == "bf16":
+        return Bf16Linear(linear)
+    if fmt == "int8" or not int4_fits(linear):
+        return Int8Linear(linear)  # int4 layers the kernel cannot shape stay int8
+    if block is not None:
+        return Int4Linear(linear, *block)
+    return Int4Linear(linear)
