@@ -17,6 +17,7 @@ import inspect
 import logging
 import socket
 import time
+from concurrent.futures import Future
 
 from websockets.asyncio.server import ServerConnection
 
@@ -25,6 +26,7 @@ from streamer.sessions.errors import EngineError
 from .handlers import HANDLERS, Await, Peer, Services
 from .outbox import Outbox
 from .protocol import Command, ProtocolError, ServerProtocol
+from .store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +209,9 @@ class Connection:
         if isinstance(exc, EngineError):
             return self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, reply_to=cmd.event_id,
                                     session_id=cmd.session_id, param=exc.param)
+        if isinstance(exc, StoreError):  # a store call no handler wrapped: still the store's fault
+            return self.proto.error("store_unavailable", f"{cmd.type}: the store is unavailable ({exc}); retry",
+                                    reply_to=cmd.event_id, session_id=cmd.session_id)
         log.error("%s failed", cmd.type, exc_info=exc)
         return self.proto.error("internal_error", f"{cmd.type} failed: {exc}", reply_to=cmd.event_id,
                                 session_id=cmd.session_id)
@@ -224,7 +229,8 @@ class Connection:
         try:
             # shielded: a connection that goes away must not cancel the engine's future (the
             # engine finishes the work; sessions made after their client left are closed)
-            result = await asyncio.shield(asyncio.wrap_future(outcome.future))
+            future = outcome.future
+            result = await asyncio.shield(asyncio.wrap_future(future) if isinstance(future, Future) else future)
             if outcome.durable is not None:
                 await asyncio.shield(outcome.durable)
             reply = outcome.reply(result)

@@ -88,11 +88,12 @@ class Resumer:
             self.on_close(session_id)
         self.directory.forget(session_id)
         recorded = self.events.spawn(self._record_close(session_id, reason))
+        recorded.add_done_callback(lambda t: t.cancelled() or t.exception())
         return self.engine.close_session(session_id), recorded
 
     async def _record_close(self, session_id: str, reason: str) -> None:
         try:
-            await self.store.append(session_id, Close(ts=time.time(), reason=reason).to_json())
+            await self.events.closing(session_id, Close(ts=time.time(), reason=reason))
             await self.store.put_snapshot(session_id, {**(await self.store.snapshot(session_id) or
                                                           {"session_id": session_id}),
                                                        "closed": True, "updated_at": time.time()})
@@ -139,6 +140,7 @@ class Resumer:
                 self.engine.close_session(session_id)
             await self.store.release(session_id)
             raise
+        self.events.open(session_id, raw)
         tracked = self.directory.restore(session_id, digests, records[0].key, client_seq_of(records))
         self.snapshots.watch(tracked)
         self.counters["recovered"] += 1
@@ -153,6 +155,7 @@ class Resumer:
             except EngineError:
                 pass  # already gone
             self.directory.forget(sid)
+            self.events.forget(sid)
 
 
 def _is(token: str | None, want_digest: str) -> bool:

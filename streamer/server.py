@@ -30,7 +30,7 @@ from streamer.sessions.engine import Engine
 from .auth import ApiKeys, key_from_request
 from .connection import Connection, LenientConnection
 from .directory import Directory
-from .eventlog import EventLog
+from .eventlog import DEFAULT_RELOG_MAX_BYTES, EventLog
 from .handlers import Peer, Services
 from .media import MediaConfig, MediaHub
 from .metrics import render as render_metrics
@@ -82,6 +82,7 @@ class ServerConfig:
     # durability and workers (streamer.eventlog, streamer.resume, streamer.store)
     store_url: str | None = None  # None: in-process; file:///dir: append-only logs; redis://host:port/db
     detach_ttl_s: float = DEFAULT_DETACH_TTL_S  # a session whose producer left closes after this; 0: at once
+    relog_max_bytes: int = DEFAULT_RELOG_MAX_BYTES  # per session: the log copy kept to re-write a lost store
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S  # at most one snapshot per session per interval
     worker_id: str | None = None  # default: a random id per process
     public_url: str | None = None  # how clients reach this worker (sent in `moved`); default ws://host:port
@@ -101,7 +102,7 @@ class StreamerServer:
         self._stopped = False
         self.store = open_store(cfg.store_url, cfg.worker_id)
         self.directory = Directory(cfg.api_keys.enabled, cfg.sessions_per_key)
-        self.events = EventLog(self.store, self.directory)
+        self.events = EventLog(self.store, self.directory, cfg.relog_max_bytes)
         self.snapshots = Snapshots(engine, self.store, self.directory, self.push_snapshot, cfg.snapshot_interval_s)
         self.resumer = Resumer(engine, self.store, self.directory, self.events, self.snapshots, cfg.detach_ttl_s,
                                on_close=self._unpublish)
