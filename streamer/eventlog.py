@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RELOG_MAX_BYTES = 16 << 20
 SETTLE_RETRY_S = 0.5
+DUPLICATE = object()  # what `first` resolves to for an input that turned out to be in the log already
 
 
 def unavailable(message: str, recoverable: bool = True) -> EngineError:
@@ -251,6 +252,10 @@ class EventLog:
             data = record.to_json()
             try:
                 await self._settle(sid, pipe)
+                tracked = self.directory.get(sid)
+                if client_seq is not None and tracked is not None and client_seq <= tracked.acked_client_seq:
+                    self.directory.duplicates += 1
+                    return DUPLICATE  # the settled write was this input: it is in the log and applied
                 await self._write(sid, pipe, data, rid, client_seq)
             except EngineError as exc:
                 if pipe.pending is None and exc.recoverable:

@@ -28,6 +28,7 @@ from typing import Any
 from streamer.sessions.errors import Code, EngineError
 from streamer.sessions.sampling import SamplingParams
 
+from .eventlog import DUPLICATE
 from .protocol import Command, ServerProtocol
 from .records import Append, Create, End, FlashRegister, FlashUnregister, Revise, Update, then
 from .resume import Moved
@@ -280,6 +281,9 @@ def duplicate_ack(cmd: Command, peer: Peer, svc: Services):
 
 
 def input_ack(cmd: Command, peer: Peer, svc: Services, result) -> str:
+    if result is DUPLICATE:  # a resend of a write that timed out but had landed
+        return peer.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                client_seq=cmd["client_seq"], duplicate=True)
     svc.directory.note_lag(result.session_id, result.lag_s)
     return peer.proto.event(
         "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
