@@ -33,6 +33,7 @@ class Tracked:
     actions: deque = field(default_factory=lambda: deque(maxlen=ACTIONS_KEEP))
     last_action_seq: int = 0
     detached_at: float | None = None
+    client: str | None = None  # who detached it (API key name or remote address): its detach quota
     expiry: asyncio.TimerHandle | None = None
     monitor: object = None  # the engine listener that feeds snapshots
     last_snapshot: str | None = None

@@ -79,6 +79,8 @@ class Pipe:
     broken_upto: int = 0  # changes submitted up to this count fail: one before them was not logged
     resend_from: int | None = None  # the lowest client_seq that failed: inputs above it wait for it
     inflight: dict[int, asyncio.Task] = field(default_factory=dict)  # client_seq -> its change
+    passed: int = 0  # changes handed to the engine (or refused), in order
+    waiters: list = field(default_factory=list)  # (count, future): barriers waiting for `passed`
     retrying: asyncio.Task | None = None
     closed: bool = False
 
@@ -165,6 +167,28 @@ class EventLog:
 
     # ---- changes ----------------------------------------------------------------------------
 
+    def barrier(self, session_id: str | None) -> asyncio.Future | None:
+        """A future that resolves once every change submitted so far to the session has been
+        handed to the engine (or refused); None when there is nothing to wait for. A command
+        that reads or uses the session directly (a question, a rule) waits on it, so it sees
+        the inputs its client sent before it."""
+        pipe = self.pipes.get(session_id) if session_id is not None else None
+        if pipe is None or pipe.passed >= pipe.enqueued:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        pipe.waiters.append((pipe.enqueued, fut))
+        return fut
+
+    @staticmethod
+    def _pass(pipe: Pipe) -> None:
+        pipe.passed += 1
+        ready = [w for w in pipe.waiters if w[0] <= pipe.passed]
+        if ready:
+            pipe.waiters = [w for w in pipe.waiters if w[0] > pipe.passed]
+            for _, fut in ready:
+                if not fut.done():
+                    fut.set_result(None)
+
     def duplicate(self, session_id: str, client_seq: int | None):
         """For an input with `client_seq`: True if it is in the log, the still running change
         that carries it (the resend waits for it), or None (not seen: a new input)."""
@@ -244,6 +268,13 @@ class EventLog:
             pipe.resend_from = client_seq if pipe.resend_from is None else min(pipe.resend_from, client_seq)
 
     async def _first(self, sid: str, pipe: Pipe, index: int, record: Record, apply, client_seq):
+        try:
+            fut = await self._log_then_apply(sid, pipe, index, record, apply, client_seq)
+        finally:
+            self._pass(pipe)
+        return fut if fut is DUPLICATE else await asyncio.wrap_future(fut)
+
+    async def _log_then_apply(self, sid: str, pipe: Pipe, index: int, record: Record, apply, client_seq):
         async with pipe.lock:
             if (refusal := self._refused(pipe, index, client_seq)) is not None:
                 raise refusal
@@ -265,19 +296,22 @@ class EventLog:
                 raise
             if client_seq is not None and pipe.resend_from == client_seq:
                 pipe.resend_from = None
-            fut = apply()  # in log order: the engine queues it behind the earlier changes
-        return await asyncio.wrap_future(fut)
+            return apply()  # in log order: the engine queues it behind the earlier changes
 
     async def _after(self, sid: str, pipe: Pipe, index: int, call, record_of):
         async with pipe.lock:
-            if (refusal := self._refused(pipe, index, None)) is not None:
-                raise refusal
             try:
-                await self._settle(sid, pipe)
-            except EngineError:
-                self._broke(pipe, None)
-                raise
-            result = await asyncio.wrap_future(call())
+                if (refusal := self._refused(pipe, index, None)) is not None:
+                    raise refusal
+                try:
+                    await self._settle(sid, pipe)
+                except EngineError:
+                    self._broke(pipe, None)
+                    raise
+                fut = call()
+            finally:
+                self._pass(pipe)
+            result = await asyncio.wrap_future(fut)
             record = record_of(result)
             if record is None:  # the call changed nothing that needs logging
                 return result

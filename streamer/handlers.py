@@ -53,6 +53,7 @@ class Peer:
     send: Callable[[str], None]  # queue an event for the client (on the event loop)
     loop: asyncio.AbstractEventLoop
     key_name: str | None = None  # the API key its handshake presented
+    client: str | None = None  # who it is, for per-client quotas: the key name, else the remote address
     sessions: set[str] = field(default_factory=set)  # sessions it produces into
     listeners: dict[str, object] = field(default_factory=dict)  # session id -> engine listener, as producer
     subscriptions: dict[str, object] = field(default_factory=dict)  # session id -> engine listener, read-only

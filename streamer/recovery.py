@@ -26,6 +26,12 @@ from .records import Create, Record, ReplayError
 
 log = logging.getLogger(__name__)
 
+# Refusals that depend only on the session's own inputs, never on the worker (its memory or
+# limits): a record logged first and refused with one of these was refused live too. Any other
+# refusal (kv_budget_exceeded, context_overflow on a smaller worker) fails the replay.
+REFUSED_THE_SAME_EVERYWHERE = frozenset({Code.INPUT_ENDED, Code.INVALID_FIELD, Code.FLASH_NOT_FOUND,
+                                         Code.MISSING_FIELD})
+
 
 def parse(raw: list[dict]) -> list[Record]:
     """The stored JSON records as typed records (ReplayError on an unknown or malformed one)."""
@@ -43,7 +49,7 @@ async def replay(engine, session_id: str, raw: list[dict]) -> dict:
         try:
             result = await asyncio.wrap_future(fut)
         except EngineError as exc:
-            if record.first and exc.code not in (Code.ENGINE_STOPPED, Code.INTERNAL_ERROR):
+            if record.first and exc.code in REFUSED_THE_SAME_EVERYWHERE:
                 continue  # logged before it was applied, and refused then too: the same refusal
             raise ReplayError(f"replaying record {record.n} ({record.kind}) of session {session_id} "
                               f"failed: {exc.message}") from exc
