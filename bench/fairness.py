@@ -85,9 +85,9 @@ async def main_async(args) -> int:
         sid = await peer.create()
         await trips(peer, sid, 20)  # warm-up
         idle = await trips(peer, sid, args.trips)
-        counter = multiprocessing.Value("q", 0)
-        stop_at = time.time() + 600
         ctx = multiprocessing.get_context("spawn")
+        counter = ctx.Value("q", 0)
+        stop_at = time.time() + 600
         procs = [ctx.Process(target=flood, args=(url, stop_at, counter), daemon=True) for _ in range(args.flooders)]
         for p in procs:
             p.start()

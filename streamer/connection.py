@@ -146,6 +146,8 @@ class Connection:
                     await asyncio.wait({resumed, closed}, return_when=asyncio.FIRST_COMPLETED)
                     resumed.cancel()
                     closed.cancel()
+                if self.outbox.dropping is not None:
+                    break  # being dropped: read nothing more (the writer says why and closes)
                 frame = await self.ws.recv()
                 self.last_message = time.monotonic()
                 if self.outbox.dropping is None:
