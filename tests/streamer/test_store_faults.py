@@ -140,3 +140,65 @@ def test_store_faults_cost_no_acked_input_and_resends_are_accepted(tiny_engine, 
         asyncio.run(asyncio.wait_for(main(), 240))
     finally:
         redis.close()
+
+
+@pytest.mark.embedded
+def test_store_faults_then_kill9_replays_every_acked_input(tmp_path):
+    """Real `streamer serve` processes on the embedded model and a private Redis: a stall and a
+    restart-empty in the middle of a stream, each failed input resent, then the worker is
+    killed with SIGKILL; a second worker adopts the session by replay: every acknowledged input
+    is there once, in order, and its answer equals a control session fed the same inputs."""
+    from procutil import ServerProcess
+    from test_durability_procs import CHUNKS as LOG, QUESTION as ASK, SYSTEM as PROMPT
+
+    redis = PrivateRedis(tmp_path)
+
+    async def ask_(peer, sid):
+        done = await peer.request({"type": "query.create", "session_id": sid, "question": ASK,
+                                   "max_tokens": 16, "stream": False})
+        assert done["type"] == "query.done", done
+        return done["text"]
+
+    async def main():
+        await redis.ready()
+        url = f"redis://127.0.0.1:{redis.port}/0?socket_timeout=0.5&socket_connect_timeout=0.5"
+        with ServerProcess("--store", url, "--worker-id", "wa") as a:
+            peer = await raw(a.url)
+            created = await peer.request({"type": "session.create", "system_prompt": PROMPT})
+            sid, token = created["session_id"], created["tokens"]["producer"]
+            await stream(peer, sid, LOG[:2])
+            redis.stall()
+            check_error(await append(peer, sid, LOG[2], 3), "store_unavailable")
+            redis.resume()
+            assert (await append(peer, sid, LOG[2], 3))["type"] == "input.ack"
+            redis.kill()
+            check_error(await append(peer, sid, LOG[3], 4), "store_unavailable")
+            redis.start()
+            await redis.ready()
+            ack = await append(peer, sid, LOG[3], 4)
+            assert ack["type"] == "input.ack" and not ack.get("duplicate"), ack
+            await stream(peer, sid, LOG[4:], first_seq=5)
+            a.kill()
+        with ServerProcess("--store", url, "--worker-id", "wb") as b:
+            peer = await raw(b.url)
+
+            async def adopted():  # the dead worker's heartbeat must expire first
+                reply = await peer.request({"type": "session.resume", "session_id": sid, "token": token})
+                return reply if reply["type"] == "session.resumed" else None
+
+            resumed = await until(adopted, 60, "worker b to adopt the session")
+            assert resumed["last_client_seq"] == len(LOG) and resumed["session"]["last_seq"] == len(LOG)
+            control = await peer.create(system_prompt=PROMPT)
+            await stream(peer, control, LOG)
+            assert await ask_(peer, sid) == await ask_(peer, control)
+            from streamer.store import open_store
+
+            store = await open_store(url, worker_id="reader").start()
+            records = await store.read_log(sid)
+            await store.redis.aclose()
+        assert [r["text"] for r in records if r["kind"] == "append"] == LOG  # each once, in order
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 400))
+    finally:
+        redis.close()
