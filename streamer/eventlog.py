@@ -157,7 +157,11 @@ class EventLog:
 
     async def closing(self, session_id: str, record: Record) -> None:
         """Log the session's close (after what is still queued) and stop tracking it."""
-        pipe = self.pipes.get(session_id) or self.open(session_id)
+        pipe = self.pipes.get(session_id)
+        if pipe is None:  # not tracked here (an engine-only session): append after what the log holds
+            pipe = self.open(session_id)
+            pipe.mirror = None
+            pipe.next_n = await self.store.log_length(session_id) + 1
         try:
             async with pipe.lock:
                 await self._settle(session_id, pipe)
