@@ -2,6 +2,7 @@
 
     python bench/fuzz.py                      # 100,000 inputs against the sans-I/O core
     python bench/fuzz.py --n 10000 --live 2000  # plus 2,000 over a real socket (tiny model)
+    python bench/fuzz.py --n 0 --flood 100000   # invalid frames flooded at a server at default limits
 
 Inputs: well-formed messages built from the schemas, then mutated (fields dropped, added,
 retyped, oversized, unicode edge cases, deep nesting, extreme numbers), byte-level mutations
@@ -220,6 +221,7 @@ async def fuzz_live(n: int, seed: int = 1, report=print, outcomes: dict | None =
     engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name),
                     EngineLimits(max_context_tokens=512, max_answer_tokens=8, max_sessions=16)).start()
     server = await StreamerServer(engine, ServerConfig(port=0, messages_per_s=1e6, messages_burst=10**6,
+                                                       refused_per_s=1e6, refused_burst=10**6,
                                                        protocol=ProtocolLimits(max_message_bytes=64 * 1024))).start()
     url = f"ws://127.0.0.1:{server.port}"
     rng = random.Random(seed)
@@ -286,10 +288,93 @@ async def fuzz_live(n: int, seed: int = 1, report=print, outcomes: dict | None =
     return sent, crashes
 
 
+async def fuzz_flood(n: int, seed: int = 2, report=print, outcomes: dict | None = None) -> tuple[int, list[str]]:
+    """Invalid frames as fast as the socket takes them, against a server at its default limits:
+    every error must be documented, a flooding connection must be closed with rate_limited
+    (1008) and reconnects; a bystander's session must answer before, during and after."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from streamer.server import ServerConfig, StreamerServer
+    from streamer.sessions.engine import Engine, EngineLimits
+    from streamer.sessions.models import build_tiny_model, embedded_model_dir
+    from streamer.sessions.runner import ModelRunner
+
+    codes = documented_codes()
+    lm = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=3)
+    engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name), EngineLimits(max_context_tokens=4096)).start()
+    server = await StreamerServer(engine, ServerConfig(port=0)).start()
+    url = f"ws://127.0.0.1:{server.port}"
+    rng = random.Random(seed)
+    crashes: list[str] = []
+    outcomes = outcomes if outcomes is not None else {}
+
+    async def bystander_ok(ws, sid: str, what: str) -> None:
+        await ws.send(json.dumps({"type": "session.get", "session_id": sid, "event_id": "probe"}))
+        while True:
+            event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            if event.get("reply_to") == "probe":
+                break
+        if event["type"] != "state":
+            crashes.append(f"bystander refused {what} the flood: {event}")
+
+    sent = 0
+    try:
+        bystander = await connect(url)
+        await bystander.send(json.dumps({"type": "session.create", "event_id": "b"}))
+        sid = json.loads(await bystander.recv())["session_id"]
+        await bystander_ok(bystander, sid, "before")
+        while sent < n:
+            ws = await connect(url, max_size=None)
+
+            async def drain() -> None:
+                async for raw in ws:
+                    event = json.loads(raw)
+                    code = event["error"]["code"] if event["type"] == "error" else event["type"]
+                    outcomes[code] = outcomes.get(code, 0) + 1
+                    if event["type"] == "error" and code not in codes:
+                        crashes.append(f"flood: undocumented error {code}")
+
+            reader = asyncio.get_running_loop().create_task(drain())
+            try:
+                while sent < n:
+                    data = mutate_bytes(rng, json.dumps(valid_message(rng, [sid, "nope"])).encode())
+                    await ws.send(data if rng.random() < 0.3 else data.decode("utf-8", "replace") + "}{")
+                    sent += 1
+                    if sent % 64 == 0:  # one event loop for client and server here: let the server read
+                        await asyncio.sleep(0)
+            except ConnectionClosed:
+                pass
+            await asyncio.wait({reader}, timeout=10)
+            reader.cancel()
+            if sent < n:  # closed by the server: it must say why
+                close = ws.protocol.close_rcvd
+                if close is not None and close.code != 1008:  # None: aborted after a bounded wait
+                    crashes.append(f"flood connection closed with {close.code}, not 1008")
+                outcomes["closed_1008"] = outcomes.get("closed_1008", 0) + 1
+                if outcomes["closed_1008"] % 10 == 0:
+                    await bystander_ok(bystander, sid, "during")
+            else:
+                await ws.close()
+            if report and sent // 10000 != (sent - 1) // 10000:
+                report(f"  flood: {sent}/{n} frames, {outcomes.get('closed_1008', 0)} connections closed")
+        await bystander_ok(bystander, sid, "after")
+        await bystander.close()
+    finally:
+        await server.stop()
+        engine.stop()
+    return sent, crashes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100_000, help="inputs against the protocol core")
     parser.add_argument("--live", type=int, default=0, help="inputs over a socket to a real server")
+    parser.add_argument("--flood", type=int, default=0, help="invalid frames flooded at a server at default limits")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
@@ -305,6 +390,14 @@ def main(argv: list[str] | None = None) -> int:
         print("  events: " + ", ".join(f"{k}={v}" for k, v in sorted(live_outcomes.items(), key=lambda kv: -kv[1])))
         fuzzed += live
         crashes += live_crashes
+    if args.flood:
+        t2 = time.perf_counter()
+        flood_outcomes: dict[str, int] = {}
+        flooded, flood_crashes = asyncio.run(fuzz_flood(args.flood, args.seed + 2, outcomes=flood_outcomes))
+        print(f"flood: {flooded} invalid frames in {time.perf_counter() - t2:.1f} s, {len(flood_crashes)} crashes")
+        print("  events: " + ", ".join(f"{k}={v}" for k, v in sorted(flood_outcomes.items(), key=lambda kv: -kv[1])))
+        fuzzed += flooded
+        crashes += flood_crashes
     for crash in crashes[:20]:
         print(crash)
     print(f"RESULT fuzzed={fuzzed} crashes={len(crashes)}")

@@ -5,7 +5,9 @@ in arrival order; engine calls only enqueue, so a busy model never blocks this l
 that wait on the engine or the store run in small tasks, and every outbound event goes through
 the connection's one ordered `Outbox`.
 
-Limits: after a frame parses, the message and byte rate buckets, then the shutdown check.
+Limits: every frame, before it is parsed, takes from the message and byte rate buckets; a
+frame over them is dropped unparsed. Refused and invalid frames take from a third bucket; a
+connection that empties it is closed (rate_limited, 1008). Then the shutdown check.
 Backpressure: reading pauses while the client's commands wait on the engine beyond
 `max_inflight`, or its undelivered events pass the outbox's high watermark.
 """
@@ -17,6 +19,7 @@ import inspect
 import logging
 import socket
 import time
+from concurrent.futures import Future
 
 from websockets.asyncio.server import ServerConnection
 
@@ -25,8 +28,14 @@ from streamer.sessions.errors import EngineError
 from .handlers import HANDLERS, Await, Peer, Services
 from .outbox import Outbox
 from .protocol import Command, ProtocolError, ServerProtocol
+from .store import StoreError
 
 log = logging.getLogger(__name__)
+
+# Commands that go through the session's event log pipeline (streamer.eventlog), in its order;
+# any other command about a session waits until the changes sent before it are in the engine.
+LOGGED = frozenset({"input.text.append", "input.text.revise", "input.end", "session.update", "flash.register",
+                    "flash.unregister"})
 
 
 class InvalidText:
@@ -79,7 +88,9 @@ class Connection:
         self.proto = ServerProtocol(cfg.protocol)
         self.loop = asyncio.get_running_loop()
         self.outbox = Outbox(ws, self.proto, cfg, self.update_reading, self._dropped)
-        self.peer = Peer(self.proto, self.outbox.send, self.loop, key_name)
+        remote = ws.remote_address[0] if ws.remote_address else None
+        self.peer = Peer(self.proto, self.outbox.send, self.loop, key_name, client=key_name or remote)
+        self.unfinished: dict[int, Command] = {}  # commands whose reply is still to come
         self.peer.media = media(self.peer) if media is not None else None
         self.shutting_down = shutting_down
         self.inflight = 0
@@ -87,6 +98,7 @@ class Connection:
         self.reading.set()
         self.messages = TokenBucket(cfg.messages_per_s, cfg.messages_burst)
         self.bytes_in = TokenBucket(cfg.bytes_per_s, max(cfg.bytes_burst, cfg.max_frame_bytes))
+        self.strikes = TokenBucket(cfg.refused_per_s, cfg.refused_burst)
         self.last_message = time.monotonic()
         self.tasks: set[asyncio.Task] = set()
         if cfg.send_buffer_bytes and ws.transport is not None:
@@ -134,6 +146,8 @@ class Connection:
                     await asyncio.wait({resumed, closed}, return_when=asyncio.FIRST_COMPLETED)
                     resumed.cancel()
                     closed.cancel()
+                if self.outbox.dropping is not None:
+                    break  # being dropped: read nothing more (the writer says why and closes)
                 frame = await self.ws.recv()
                 self.last_message = time.monotonic()
                 if self.outbox.dropping is None:
@@ -147,9 +161,15 @@ class Connection:
                 writer.cancel()
 
     async def receive(self, frame) -> None:
-        """One frame: parse it, check the limits, hand it to its handler."""
+        """One frame: count it against the rate limits (valid or not, before any parsing), parse
+        it, hand it to its handler. A connection that keeps sending frames that are refused or
+        invalid is closed (rate_limited, 1008)."""
+        size = len(frame.exc.object) if isinstance(frame, InvalidText) else len(frame)
+        if (refusal := self.over_rate(size)) is not None:
+            self.strike(refusal)
+            return
         if isinstance(frame, InvalidText):
-            self.send(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
+            self.strike(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
             return
         try:
             if isinstance(frame, str):
@@ -159,33 +179,43 @@ class Connection:
             else:
                 cmd = self.proto.receive_binary(frame)
         except ProtocolError as err:
-            self.send(self.proto.protocol_error(err))
+            self.strike(self.proto.protocol_error(err))
             return
-        refusal = self.refusal(cmd, len(frame))
-        if refusal is not None:
-            self.send(refusal)
+        if self.shutting_down():
+            self.send(self.proto.error("shutting_down", "the server is shutting down; reconnect later",
+                                       recoverable=False, reply_to=cmd.event_id, session_id=cmd.session_id))
             return
+        if cmd.type not in LOGGED and (barrier := self.svc.events.barrier(cmd.session_id)) is not None:
+            await barrier  # the session's earlier changes are handed to the engine first
         self.dispatch(cmd)
         if cmd.type == "media" and self.peer.media is not None:
             await self.peer.media.throttle(cmd)
 
-    def refusal(self, cmd: Command, size: int) -> str | None:
-        """The error for a command refused before any work: rates, shutdown."""
+    def over_rate(self, size: int) -> str | None:
+        """The error for a frame over the message or byte rate (it is then not even parsed, so
+        the error has no `reply_to`)."""
         cfg = self.config
         if not self.messages.take():
             self.svc.edge["rate_limited"] += 1
             return self.proto.error("rate_limited", f"more than {cfg.messages_per_s:g} messages/s (burst "
-                                    f"{cfg.messages_burst}) on this connection; the message was not processed",
-                                    reply_to=cmd.event_id, session_id=cmd.session_id)
+                                    f"{cfg.messages_burst}) on this connection; the message was not processed")
         if not self.bytes_in.take(size):
             self.svc.edge["rate_limited"] += 1
             return self.proto.error("byte_rate_limited", f"more than {cfg.bytes_per_s:g} bytes/s on this "
-                                    "connection; the message was not processed",
-                                    reply_to=cmd.event_id, session_id=cmd.session_id)
-        if self.shutting_down():
-            return self.proto.error("shutting_down", "the server is shutting down; reconnect later",
-                                    recoverable=False, reply_to=cmd.event_id, session_id=cmd.session_id)
+                                    "connection; the message was not processed")
         return None
+
+    def strike(self, error: str) -> None:
+        """Send the error for a refused or invalid frame, while the connection's allowance of
+        them lasts; past it the connection is closed: a flood of junk costs the server little
+        and the other clients nothing."""
+        if self.strikes.take():
+            self.send(error)
+            return
+        self.svc.edge["junk_closed"] = self.svc.edge.get("junk_closed", 0) + 1
+        cfg = self.config
+        self.outbox.drop("rate_limited", f"more than {cfg.refused_per_s:g} refused or invalid frames/s (burst "
+                         f"{cfg.refused_burst}) on this connection; closing it", close_code=1008)
 
     def dispatch(self, cmd: Command) -> None:
         """Run the command's handler and what it answers."""
@@ -207,6 +237,9 @@ class Connection:
         if isinstance(exc, EngineError):
             return self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, reply_to=cmd.event_id,
                                     session_id=cmd.session_id, param=exc.param)
+        if isinstance(exc, StoreError):  # a store call no handler wrapped: still the store's fault
+            return self.proto.error("store_unavailable", f"{cmd.type}: the store is unavailable ({exc}); retry",
+                                    reply_to=cmd.event_id, session_id=cmd.session_id)
         log.error("%s failed", cmd.type, exc_info=exc)
         return self.proto.error("internal_error", f"{cmd.type} failed: {exc}", reply_to=cmd.event_id,
                                 session_id=cmd.session_id)
@@ -216,25 +249,41 @@ class Connection:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    def shutdown_replies(self) -> int:
+        """The server stops before these commands finish: each gets a final `shutting_down`
+        error naming it, so no answer is cut silently. Returns how many."""
+        for cmd in list(self.unfinished.values()):
+            self.send(self.proto.error("shutting_down", f"the server shut down before this {cmd.type} finished; "
+                                       "reconnect (resume your session) and send it again",
+                                       reply_to=cmd.event_id, session_id=cmd.session_id))
+        count = len(self.unfinished)
+        self.unfinished.clear()
+        return count
+
     async def finish(self, cmd: Command, outcome: Await) -> None:
         """Wait for the engine's future (and the log write of the change), then reply."""
+        self.unfinished[id(cmd)] = cmd
         self.inflight += 1
         if self.inflight > self.config.max_inflight:
             self.update_reading()
         try:
             # shielded: a connection that goes away must not cancel the engine's future (the
             # engine finishes the work; sessions made after their client left are closed)
-            result = await asyncio.shield(asyncio.wrap_future(outcome.future))
+            future = outcome.future
+            result = await asyncio.shield(asyncio.wrap_future(future) if isinstance(future, Future) else future)
             if outcome.durable is not None:
                 await asyncio.shield(outcome.durable)
             reply = outcome.reply(result)
             if inspect.isawaitable(reply):
                 reply = await asyncio.shield(reply)
         except Exception as exc:
-            self.send(self.error_for(cmd, exc))
+            if self.unfinished.pop(id(cmd), None) is not None:
+                self.send(self.error_for(cmd, exc))
         else:
-            self.send(reply)
+            if self.unfinished.pop(id(cmd), None) is not None:  # not already answered by a shutdown
+                self.send(reply)
         finally:
+            self.unfinished.pop(id(cmd), None)
             self.inflight -= 1
             if not self.reading.is_set():
                 self.update_reading()
@@ -263,4 +312,4 @@ class Connection:
         peer.subscriptions.clear()
         for sid in list(peer.sessions):
             peer.stop_producing(engine, sid)
-            detach(sid)
+            detach(sid, peer.client)

@@ -27,13 +27,13 @@ class Tracked:
 
     session_id: str
     key_name: str | None = None
-    high_client_seq: int = 0  # highest client_seq seen (submitted)
-    acked_client_seq: int = 0  # highest client_seq logged and acknowledged
+    acked_client_seq: int = 0  # highest client_seq logged (moves only with a durable write)
     lag_ms: float | None = None
     reasoning: deque = field(default_factory=lambda: deque(maxlen=REASONING_KEEP_CHARS))
     actions: deque = field(default_factory=lambda: deque(maxlen=ACTIONS_KEEP))
     last_action_seq: int = 0
     detached_at: float | None = None
+    client: str | None = None  # who detached it (API key name or remote address): its detach quota
     expiry: asyncio.TimerHandle | None = None
     monitor: object = None  # the engine listener that feeds snapshots
     last_snapshot: str | None = None
@@ -76,7 +76,7 @@ class Directory:
         """A live session on this worker (new, or recovered with the client_seq its log holds)."""
         tracked = self.sessions.get(session_id)
         if tracked is None:
-            tracked = self.sessions[session_id] = Tracked(session_id, key_name, client_seq, client_seq)
+            tracked = self.sessions[session_id] = Tracked(session_id, key_name, client_seq)
         if key_name is not None:
             self._key_of[session_id] = key_name
         return tracked
@@ -102,18 +102,7 @@ class Directory:
             tracked.expiry.cancel()
         return tracked
 
-    # ---- client_seq ---------------------------------------------------------------------------
-
-    def is_duplicate(self, session_id: str, client_seq: int | None) -> bool:
-        """True when the input was already seen; otherwise it is now seen."""
-        tracked = self.sessions.get(session_id)
-        if client_seq is None or tracked is None:
-            return False
-        if client_seq <= tracked.high_client_seq:
-            self.duplicates += 1
-            return True
-        tracked.high_client_seq = client_seq
-        return False
+    # ---- client_seq (duplicates are told by streamer.eventlog.EventLog.duplicate) ------------
 
     def logged(self, session_id: str, client_seq: int | None) -> None:
         """A change of the session is durable in its log (with the client's seq, if it had one)."""

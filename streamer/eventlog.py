@@ -1,110 +1,437 @@
-"""The event log at the edge: every change a session accepts is appended to its log *before*
-the client gets its acknowledgement, in the order the engine applied the changes.
+"""The event log at the edge: the durability contract (docs/architecture.md, "Durability").
 
-A write is started from the engine's own completion of the change (the `then` callback that
-`expect` or `hook` gives, attached to the engine call before its work is queued), so the log
-order is the engine's order and a client that disconnects meanwhile cannot leave an applied
-change out of the log. The writes are owned here,
-not by a connection, so they survive the client; `drain` waits for the ones still on their way.
+Every change of a session goes through that session's one ordered pipeline (a FIFO lock), so
+the log's order is the engine's order:
+
+- **logged first** (client inputs and settings: `input.text.append|revise`, `input.end`,
+  `session.update`, `flash.unregister`): the record is written, and only once it is durable is
+  the change handed to the engine. A write that fails is never applied and takes no seq; the
+  client is told `store_unavailable` (recoverable) and resends it, and the resend is accepted.
+- **applied first** (what needs the engine's answer to be logged: `flash.register` with the
+  id it gets, media observations and transcripts, window settings the media path makes): the
+  change is made, then logged. A write that fails keeps the record as the session's *pending*
+  record; it is written before anything else of the session, so the log never has a gap.
+
+Writes are idempotent by (session, position n) with a record id: a write that timed out (it may
+have landed: a stalled Redis) stays *pending*, and is settled before the next change, or by a
+retry loop once the store answers: an applied record is written again (a no-op if it landed),
+an unapplied one is fenced with a `void` record at its position, or applied now if it landed
+(its resend is then answered as a duplicate). After a failure, the changes already queued
+behind it fail too, and later inputs above the failed client_seq are refused until it is
+resent, so the client_seq high-water mark moves only with durable writes, in order.
+
+A store that lost a session (Redis restarted empty: StoreLost) gets it back: this worker
+re-claims it and re-writes its log from the copy kept in memory (`relog_max_bytes` per session;
+beyond it the copy is dropped and such a session fails with a non-recoverable
+`store_unavailable` saying to recreate it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
 
 from streamer.sessions.errors import Code, EngineError
 
 from .directory import Directory
-from .records import Create, Record
-from .store import Store, StoreError
+from .records import Create, Record, Void
+from .store import Conflict, Store, StoreError, StoreLost
 
 log = logging.getLogger(__name__)
 
-RecordOf = Callable[[object], Record | None]
+DEFAULT_RELOG_MAX_BYTES = 16 << 20
+SETTLE_RETRY_S = 0.5
+DUPLICATE = object()  # what `first` resolves to for an input that turned out to be in the log already
+
+
+def unavailable(message: str, recoverable: bool = True) -> EngineError:
+    return EngineError(message, code=Code.STORE_UNAVAILABLE, recoverable=recoverable)
+
+
+@dataclass(eq=False)
+class Pending:
+    """A record whose write failed: applied (write it again) or not (fence or apply it)."""
+
+    n: int
+    rid: str
+    data: dict
+    applied: bool
+    apply: Callable[[], Future] | None = None  # for an unapplied one that turns out to have landed
+    client_seq: int | None = None
+
+
+@dataclass(eq=False)
+class Pipe:
+    """One session's log state on this worker."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    next_n: int = 1
+    mirror: list[tuple[int, str, dict]] | None = field(default_factory=list)  # (n, rid, record) written
+    mirror_bytes: int = 0
+    pending: Pending | None = None
+    enqueued: int = 0  # changes submitted
+    broken_upto: int = 0  # changes submitted up to this count fail: one before them was not logged
+    resend_from: int | None = None  # the lowest client_seq that failed: inputs above it wait for it
+    inflight: dict[int, asyncio.Task] = field(default_factory=dict)  # client_seq -> its change
+    passed: int = 0  # changes handed to the engine (or refused), in order
+    waiters: list = field(default_factory=list)  # (count, future): barriers waiting for `passed`
+    retrying: asyncio.Task | None = None
+    closed: bool = False
 
 
 class EventLog:
-    def __init__(self, store: Store, directory: Directory) -> None:
+    def __init__(self, store: Store, directory: Directory, relog_max_bytes: int = DEFAULT_RELOG_MAX_BYTES) -> None:
         self.store = store
         self.directory = directory
+        self.relog_max_bytes = relog_max_bytes
+        self.pipes: dict[str, Pipe] = {}
         self.writes: set[asyncio.Task] = set()
-        self.counters = {"log_records": 0, "log_errors": 0}
+        self.counters = {"log_records": 0, "log_errors": 0, "log_settled": 0, "log_fenced": 0, "relogged": 0}
 
     def spawn(self, coro) -> asyncio.Task:
-        """A store write owned by the log, not by a connection (it survives the client)."""
+        """A change or store write owned by the log, not by a connection (it survives the client)."""
         task = asyncio.get_running_loop().create_task(coro)
         self.writes.add(task)
         task.add_done_callback(self.writes.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its waiter may be gone
         return task
 
     async def drain(self, timeout: float = 30.0) -> None:
         if self.writes:  # accepted changes still on their way to the log
             await asyncio.wait(list(self.writes), timeout=timeout)
+        for pipe in self.pipes.values():
+            if pipe.retrying is not None:
+                pipe.retrying.cancel()
 
-    def expect(self, session_id: str, record_of: RecordOf) -> tuple[Callable[[Future], None], asyncio.Future]:
-        """For an engine call about to be made: `then`, the done-callback to pass to it (it is
-        attached before the engine can finish, so writes start in the order the engine applied
-        the changes), and `durable`, an asyncio future that resolves once `record_of(result)`
-        is in the log (or fails with store_unavailable). Call on the event loop."""
-        loop = asyncio.get_running_loop()
-        durable = loop.create_future()
-        durable.add_done_callback(lambda d: d.cancelled() or d.exception())  # a waiter may be gone
-        return (lambda f: loop.call_soon_threadsafe(self._start, session_id, f, record_of, durable)), durable
+    # ---- sessions ---------------------------------------------------------------------------
 
-    def hook(self, session_id: str, record_of: RecordOf, loop: asyncio.AbstractEventLoop):
-        """`expect`'s `then` for an engine call made on another thread (media ingest), whose
-        caller does not wait for the write."""
-        return lambda f: loop.call_soon_threadsafe(self._start, session_id, f, record_of, None)
+    def open(self, session_id: str, raw: list[dict] | None = None) -> Pipe:
+        """A session live on this worker: new, or recovered from its log `raw`."""
+        pipe = self.pipes.get(session_id)
+        if pipe is None:
+            pipe = self.pipes[session_id] = Pipe()
+            for record in raw or ():
+                self._mirror(pipe, record.get("n") or pipe.next_n, record.get("rid") or _rid(), record)
+                pipe.next_n = max(pipe.next_n, (record.get("n") or 0) + 1)
+        return pipe
 
-    def _start(self, session_id: str, f: Future, record_of: RecordOf, done: asyncio.Future | None) -> None:
-        if f.cancelled() or f.exception() is not None:
-            if done is not None:
-                done.set_result(None)  # nothing applied: nothing to log
-            return
-        try:
-            record = record_of(f.result())
-        except Exception as exc:  # a bug: the waiter reports it
-            if done is not None:
-                done.set_exception(exc)
-            else:
-                log.exception("building the log record of session %s failed", session_id)
-            return
-        if record is None:  # the call changed nothing that needs logging
-            if done is not None:
-                done.set_result(None)
-            return
-        task = self.spawn(self.append(session_id, record))
-        if done is not None:
-            task.add_done_callback(lambda t: done.set_exception(t.exception()) if t.exception() is not None
-                                   else done.set_result(None))
-        else:
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # append() reports its failures
-
-    async def append(self, session_id: str, record: Record) -> None:
-        """Append `record` to the session's log; raises store_unavailable when it cannot."""
-        record.ts = time.time()
-        try:
-            await self.store.append(session_id, record.to_json())
-        except (StoreError, OSError, ConnectionError) as exc:
-            self.counters["log_errors"] += 1
-            log.error("could not log %s on session %s: %s", record.kind, session_id, exc)
-            raise EngineError(f"the change was applied but could not be logged ({exc}); it is not acknowledged "
-                              "and would not survive a restart", code=Code.STORE_UNAVAILABLE) from None
-        self.counters["log_records"] += 1
-        self.directory.logged(session_id, getattr(record, "client_seq", None))
+    def forget(self, session_id: str) -> None:
+        pipe = self.pipes.pop(session_id, None)
+        if pipe is not None:
+            pipe.closed = True
+            if pipe.retrying is not None:
+                pipe.retrying.cancel()
 
     async def created(self, session_id: str, record: Create) -> None:
         """Log a new session's creation after claiming it in the directory. An id whose log
         exists (a session that closed within the retention time, or one live on another
         worker) is refused."""
-        if await self.store.log_length(session_id):
-            raise EngineError(f"session id {session_id!r} was used before (its log is kept for "
-                              f"{self.store.retention_s:.0f} s after it closes)", code=Code.INVALID_FIELD)
-        owner = await self.store.claim(session_id)
+        pipe = self.open(session_id)
+        async with pipe.lock:
+            try:
+                if await self.store.log_length(session_id):
+                    raise EngineError(f"session id {session_id!r} was used before (its log is kept for "
+                                      f"{self.store.retention_s:.0f} s after it closes)", code=Code.INVALID_FIELD)
+                owner = await self.store.claim(session_id)
+            except StoreError as exc:
+                self.forget(session_id)
+                self.counters["log_errors"] += 1
+                raise unavailable(f"the store cannot take a new session now ({exc}); retry session.create") from None
+            except BaseException:
+                self.forget(session_id)
+                raise
+            if owner is not None:
+                self.forget(session_id)
+                raise EngineError(f"session id {session_id!r} is in use on worker {owner}", code=Code.INVALID_FIELD)
+            try:
+                await self._write(session_id, pipe, record.to_json(), _rid())
+            except EngineError:
+                self.forget(session_id)
+                raise
+
+    async def closing(self, session_id: str, record: Record) -> None:
+        """Log the session's close (after what is still queued) and stop tracking it."""
+        pipe = self.pipes.get(session_id)
+        if pipe is None:  # not tracked here (an engine-only session): append after what the log holds
+            pipe = self.open(session_id)
+            pipe.mirror = None
+            pipe.next_n = await self.store.log_length(session_id) + 1
+        try:
+            async with pipe.lock:
+                await self._settle(session_id, pipe)
+                await self._write(session_id, pipe, record.to_json(), _rid())
+        finally:
+            self.forget(session_id)
+
+    # ---- changes ----------------------------------------------------------------------------
+
+    def barrier(self, session_id: str | None) -> asyncio.Future | None:
+        """A future that resolves once every change submitted so far to the session has been
+        handed to the engine (or refused); None when there is nothing to wait for. A command
+        that reads or uses the session directly (a question, a rule) waits on it, so it sees
+        the inputs its client sent before it."""
+        pipe = self.pipes.get(session_id) if session_id is not None else None
+        if pipe is None or pipe.passed >= pipe.enqueued:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        pipe.waiters.append((pipe.enqueued, fut))
+        return fut
+
+    @staticmethod
+    def _pass(pipe: Pipe) -> None:
+        pipe.passed += 1
+        ready = [w for w in pipe.waiters if w[0] <= pipe.passed]
+        if ready:
+            pipe.waiters = [w for w in pipe.waiters if w[0] > pipe.passed]
+            for _, fut in ready:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def duplicate(self, session_id: str, client_seq: int | None):
+        """For an input with `client_seq`: True if it is in the log, the still running change
+        that carries it (the resend waits for it), or None (not seen: a new input)."""
+        tracked = self.directory.get(session_id)
+        if client_seq is None or tracked is None:
+            return None
+        if client_seq <= tracked.acked_client_seq:
+            self.directory.duplicates += 1
+            return True
+        pipe = self.pipes.get(session_id)
+        running = pipe.inflight.get(client_seq) if pipe is not None else None
+        if running is not None:
+            self.directory.duplicates += 1
+        return running
+
+    def first(self, session_id: str, record: Record, apply: Callable[[], Future],
+              client_seq: int | None = None) -> asyncio.Task:
+        """Log `record`, then make the change (`apply()`: the engine call); a task of the
+        engine's result, or store_unavailable (nothing applied)."""
+        record.first = True
+        pipe = self.pipes.get(session_id) or self.open(session_id)
+        pipe.enqueued += 1
+        task = self.spawn(self._first(session_id, pipe, pipe.enqueued, record, apply, client_seq))
+        if client_seq is not None:
+            pipe.inflight[client_seq] = task
+            task.add_done_callback(lambda _: pipe.inflight.get(client_seq) is task and pipe.inflight.pop(client_seq))
+        return task
+
+    def after(self, session_id: str, call: Callable[[], Future], record_of: Callable[[Any], Record | None]):
+        """Make the change (`call()`), then log `record_of(result)`; a task of the engine's
+        result, or store_unavailable (applied, not logged yet: it is logged before anything
+        else of this session)."""
+        pipe = self.pipes.get(session_id) or self.open(session_id)
+        pipe.enqueued += 1
+        return self.spawn(self._after(session_id, pipe, pipe.enqueued, call, record_of))
+
+    def from_thread(self, session_id: str, call: Callable[[], Future], record_of, loop: asyncio.AbstractEventLoop,
+                    then: Callable[[Future], None] | None = None) -> Future:
+        """`after` for a change made on another thread (media): a concurrent future of the
+        engine's result (the change is applied whatever the log write does; a failed write
+        stays pending and is written first when the store answers)."""
+        out: Future = Future()
+        if then is not None:
+            out.add_done_callback(then)
+
+        def start() -> None:
+            task = self.after(session_id, call, record_of)
+
+            def relay(t: asyncio.Task) -> None:
+                exc = t.exception() if not t.cancelled() else EngineError("cancelled", code=Code.ENGINE_STOPPED)
+                result = getattr(exc, "applied", None)
+                if exc is None:
+                    out.set_result(t.result())
+                elif result is not None:  # applied; its record is pending
+                    out.set_result(result[0])
+                else:
+                    out.set_exception(exc)
+
+            task.add_done_callback(relay)
+
+        loop.call_soon_threadsafe(start)
+        return out
+
+    def _refused(self, pipe: Pipe, index: int, client_seq: int | None) -> EngineError | None:
+        if pipe.closed:
+            return EngineError("the session closed", code=Code.SESSION_CLOSED)
+        if index <= pipe.broken_upto:
+            return unavailable("not logged: a change sent before it could not be logged" +
+                               (f"; resend from client_seq {pipe.resend_from}" if pipe.resend_from else "; resend it"))
+        if client_seq is not None and pipe.resend_from is not None and client_seq > pipe.resend_from:
+            return unavailable(f"not logged: input client_seq {pipe.resend_from} could not be logged; resend from it")
+        return None
+
+    def _broke(self, pipe: Pipe, client_seq: int | None) -> None:
+        pipe.broken_upto = pipe.enqueued
+        if client_seq is not None:
+            pipe.resend_from = client_seq if pipe.resend_from is None else min(pipe.resend_from, client_seq)
+
+    async def _first(self, sid: str, pipe: Pipe, index: int, record: Record, apply, client_seq):
+        try:
+            fut = await self._log_then_apply(sid, pipe, index, record, apply, client_seq)
+        finally:
+            self._pass(pipe)
+        return fut if fut is DUPLICATE else await asyncio.wrap_future(fut)
+
+    async def _log_then_apply(self, sid: str, pipe: Pipe, index: int, record: Record, apply, client_seq):
+        async with pipe.lock:
+            if (refusal := self._refused(pipe, index, client_seq)) is not None:
+                raise refusal
+            rid = _rid()
+            record.ts = time.time()
+            data = record.to_json()
+            try:
+                await self._settle(sid, pipe)
+                tracked = self.directory.get(sid)
+                if client_seq is not None and tracked is not None and client_seq <= tracked.acked_client_seq:
+                    self.directory.duplicates += 1
+                    return DUPLICATE  # the settled write was this input: it is in the log and applied
+                await self._write(sid, pipe, data, rid, client_seq)
+            except EngineError as exc:
+                if pipe.pending is None and exc.recoverable:
+                    pipe.pending = Pending(pipe.next_n, rid, data, False, apply, client_seq)
+                    self._retry(sid, pipe)
+                self._broke(pipe, client_seq)
+                raise
+            if client_seq is not None and pipe.resend_from == client_seq:
+                pipe.resend_from = None
+            return apply()  # in log order: the engine queues it behind the earlier changes
+
+    async def _after(self, sid: str, pipe: Pipe, index: int, call, record_of):
+        async with pipe.lock:
+            try:
+                if (refusal := self._refused(pipe, index, None)) is not None:
+                    raise refusal
+                try:
+                    await self._settle(sid, pipe)
+                except EngineError:
+                    self._broke(pipe, None)
+                    raise
+                fut = call()
+            finally:
+                self._pass(pipe)
+            result = await asyncio.wrap_future(fut)
+            record = record_of(result)
+            if record is None:  # the call changed nothing that needs logging
+                return result
+            record.ts = time.time()
+            data, rid = record.to_json(), _rid()
+            try:
+                await self._write(sid, pipe, data, rid)
+            except EngineError as exc:
+                if pipe.pending is None and exc.recoverable:
+                    pipe.pending = Pending(pipe.next_n, rid, data, True)
+                    self._retry(sid, pipe)
+                self._broke(pipe, None)
+                failed = unavailable(f"the change was applied but is not logged yet ({exc.message}); it is logged "
+                                     "before anything else of this session once the store answers")
+                failed.applied = (result,)
+                raise failed from None
+            return result
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    async def _write(self, sid: str, pipe: Pipe, data: dict, rid: str, client_seq: int | None = None) -> None:
+        """Write one record at the session's next position (idempotent by position and id)."""
+        n = pipe.next_n
+        try:
+            try:
+                await self.store.append(sid, data, n=n, rid=rid)
+            except StoreLost:
+                await self._relog(sid, pipe)
+                await self.store.append(sid, data, n=n, rid=rid)
+        except (StoreError, OSError, ConnectionError) as exc:
+            self.counters["log_errors"] += 1
+            log.error("could not log %s on session %s: %s", data.get("kind"), sid, exc)
+            if isinstance(exc, Conflict) and exc.holder is None:
+                raise unavailable(f"the log of session {sid} is not where this worker left it ({exc}); "
+                                  "close and recreate the session", recoverable=False) from None
+            raise unavailable(f"the change could not be logged ({exc}); it is not acknowledged: resend it") from None
+        pipe.next_n = n + 1
+        self._mirror(pipe, n, rid, {**data, "n": n})
+        self.counters["log_records"] += 1
+        self.directory.logged(sid, client_seq if client_seq is not None else data.get("client_seq"))
+
+    def _mirror(self, pipe: Pipe, n: int, rid: str, record: dict) -> None:
+        if pipe.mirror is None:
+            return
+        size = sum(len(v) for v in record.values() if isinstance(v, str)) + 64
+        pipe.mirror_bytes += size
+        if pipe.mirror_bytes > self.relog_max_bytes:
+            pipe.mirror = None  # too big to keep: a store that loses this session cannot get it back
+            return
+        pipe.mirror.append((n, rid, record))
+
+    async def _relog(self, sid: str, pipe: Pipe) -> None:
+        """The store lost the session: claim it again and write its log back from memory."""
+        if pipe.mirror is None:
+            raise unavailable(f"the store lost the log of session {sid} and its copy here is over "
+                              f"{self.relog_max_bytes} bytes; close and recreate the session", recoverable=False)
+        owner = await self.store.claim(sid)
         if owner is not None:
-            raise EngineError(f"session id {session_id!r} is in use on worker {owner}", code=Code.INVALID_FIELD)
-        await self.append(session_id, record)
+            raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
+        for n, rid, record in pipe.mirror:
+            await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
+        self.counters["relogged"] += 1
+        log.warning("the store lost session %s: re-claimed and re-wrote its %d records", sid, len(pipe.mirror))
+
+    async def _settle(self, sid: str, pipe: Pipe) -> None:
+        """Resolve the pending record, if any (under the session's lock)."""
+        pending = pipe.pending
+        if pending is None:
+            return
+        if pending.applied:  # it must be in the log: write it again (a no-op if it landed)
+            await self._write(sid, pipe, pending.data, pending.rid)
+            pipe.pending = None
+            self.counters["log_settled"] += 1
+            return
+        try:  # not applied: fence its position with a void record, unless it landed
+            await self._write(sid, pipe, Void(ts=time.time(), rid_of=pending.rid).to_json(), _rid())
+            self.counters["log_fenced"] += 1
+        except EngineError as exc:
+            holder = await self._holder(sid, pending.n)
+            if holder != pending.rid:
+                raise exc
+            # it landed after all: the log holds it, so the session applies it now
+            pipe.next_n = pending.n + 1
+            self._mirror(pipe, pending.n, pending.rid, {**pending.data, "n": pending.n})
+            self.directory.logged(sid, pending.client_seq)
+            if pipe.resend_from is not None and pending.client_seq == pipe.resend_from:
+                pipe.resend_from = None
+            pending.apply()
+            self.counters["log_settled"] += 1
+        pipe.pending = None
+
+    async def _holder(self, sid: str, n: int) -> str | None:
+        try:
+            record = await self.store.record_at(sid, n)
+        except (StoreError, OSError, ConnectionError):
+            return None
+        return record.get("rid") if record else None
+
+    def _retry(self, sid: str, pipe: Pipe) -> None:
+        """Settle the pending record as soon as the store answers, even if no change comes."""
+        if pipe.retrying is not None and not pipe.retrying.done():
+            return
+
+        async def retry() -> None:
+            while not pipe.closed and pipe.pending is not None:
+                await asyncio.sleep(SETTLE_RETRY_S)
+                async with pipe.lock:
+                    try:
+                        await self._settle(sid, pipe)
+                    except EngineError as exc:
+                        if not exc.recoverable:
+                            return
+                        continue
+
+        pipe.retrying = asyncio.get_running_loop().create_task(retry())
+
+
+def _rid() -> str:
+    return secrets.token_hex(8)

@@ -5,10 +5,9 @@ watches, where its events go) and the server's `Services` (engine, directory, ev
 resume, snapshots), and says what to answer:
 
 - a `str`: one event to send now;
-- `Await(future, reply, durable)`: wait for the engine's future and, for a change, until it is
-  in the session's event log (`svc.logged` makes the engine call with the log's callback attached
-  before the work is queued, so the log keeps the engine's order), then send `reply(result)`
-  (which may be a coroutine);
+- `Await(future, reply, durable)`: wait for the engine's future (for a change: the event log's
+  task, which logs it and applies it in the session's one order, streamer.eventlog), then send
+  `reply(result)` (which may be a coroutine);
 - a coroutine: a reply that needs the store (resume, sessions.list); it returns the event or None;
 - None: nothing more to send.
 
@@ -29,9 +28,11 @@ from typing import Any
 from streamer.sessions.errors import Code, EngineError
 from streamer.sessions.sampling import PENALTY_KEYS, SamplingParams
 
+from .eventlog import DUPLICATE
 from .protocol import Command, ServerProtocol
-from .records import Append, Create, End, FlashRegister, FlashUnregister, Record, Revise, Update
+from .records import Append, Create, End, FlashRegister, FlashUnregister, Revise, Update
 from .resume import Moved
+from .store import StoreError
 
 # Session events a peer forwards to its producer and subscribers.
 PUBLIC_EVENTS = frozenset({"flash.updated", "flash.stale", "reasoning.delta", "reasoning.done", "action.chunk", "action.command"})
@@ -39,7 +40,7 @@ PUBLIC_EVENTS = frozenset({"flash.updated", "flash.stale", "reasoning.delta", "r
 
 @dataclass(slots=True)
 class Await:
-    future: Future  # the engine's
+    future: Future | asyncio.Future  # the engine's, or the event log's task (logged, then applied)
     reply: Callable[[Any], str | Awaitable[str]]
     durable: asyncio.Future | None = None  # resolves once the change is in the event log
 
@@ -52,6 +53,7 @@ class Peer:
     send: Callable[[str], None]  # queue an event for the client (on the event loop)
     loop: asyncio.AbstractEventLoop
     key_name: str | None = None  # the API key its handshake presented
+    client: str | None = None  # who it is, for per-client quotas: the key name, else the remote address
     sessions: set[str] = field(default_factory=set)  # sessions it produces into
     listeners: dict[str, object] = field(default_factory=dict)  # session id -> engine listener, as producer
     subscriptions: dict[str, object] = field(default_factory=dict)  # session id -> engine listener, read-only
@@ -111,13 +113,6 @@ class Services:
     mqtt: Any = None
     edge: dict = field(default_factory=dict)  # edge counters for /metrics
     query_ids: Any = field(default_factory=lambda: itertools.count(1))
-
-    def logged(self, sid: str, record_of: Callable[[Any], Record], call: Callable[[Callable], Future]):
-        """Make an engine call that changes session `sid` (`call(then)`, passing `then` on to the
-        engine) so that `record_of(result)` is logged in engine order; returns (engine future,
-        durable future)."""
-        then_, durable = self.events.expect(sid, record_of)
-        return call(then_), durable
 
     def operator(self, peer: Peer) -> bool:
         """Whether the peer holds a server-level credential (any valid API key; anyone when the
@@ -194,11 +189,11 @@ def session_update(cmd: Command, peer: Peer, svc: Services):
     sid, engine = peer.producer_of(cmd), svc.engine
     if cmd["thinking"] is None and "window" not in cmd.fields:
         raise EngineError("session.update needs 'thinking' or 'window'", code=Code.MISSING_FIELD)
-    window = cmd["window"] if "window" in cmd.fields else None
-    record = Update(thinking=cmd["thinking"], window=False if "window" in cmd.fields and window is None else window)
-    fut, durable = svc.logged(sid, lambda _: record, lambda then_: record.apply(engine, sid, then_))
-    return Await(fut, lambda st: peer.proto.event("session.updated", reply_to=cmd.event_id, session_id=sid,
-                                                  session=st), durable)
+    record = Update(thinking=cmd["thinking"],
+                    window=False if "window" in cmd.fields and cmd["window"] is None else cmd["window"])
+    task = svc.events.first(sid, record, lambda: record.apply(engine, sid))
+    return Await(task, lambda st: peer.proto.event("session.updated", reply_to=cmd.event_id, session_id=sid,
+                                                   session=st))
 
 
 def session_get(cmd: Command, peer: Peer, svc: Services):
@@ -248,7 +243,6 @@ async def _resume(cmd: Command, peer: Peer, svc: Services) -> str:
     except Moved as exc:
         return peer.proto.event("error", reply_to=cmd.event_id, session_id=sid, error={
             "code": exc.code, "message": exc.message, "recoverable": True, "owner": exc.owner})
-    tracked.high_client_seq = max(tracked.high_client_seq, tracked.acked_client_seq)
     return peer.proto.event("session.resumed", reply_to=cmd.event_id, session_id=sid,
                             last_client_seq=tracked.acked_client_seq, last_seq=state["last_seq"],
                             replayed_records=replayed, worker=svc.store.worker_id, session=state)
@@ -260,11 +254,15 @@ def sessions_list(cmd: Command, peer: Peer, svc: Services):
         raise EngineError("sessions.list needs an API key on the websocket handshake", code=Code.UNAUTHORIZED)
 
     async def listing() -> str:
-        if cmd.session_id is None:
-            snaps = await svc.store.snapshots()
-        else:
-            snap = await svc.store.snapshot(cmd.session_id)
-            snaps = [snap] if snap is not None else []
+        try:
+            if cmd.session_id is None:
+                snaps = await svc.store.snapshots()
+            else:
+                snap = await svc.store.snapshot(cmd.session_id)
+                snaps = [snap] if snap is not None else []
+        except StoreError as exc:
+            raise EngineError(f"the store cannot list sessions now ({exc}); retry later",
+                              code=Code.STORE_UNAVAILABLE) from None
         return peer.proto.event("sessions", reply_to=cmd.event_id, sessions=snaps, worker=svc.store.worker_id)
 
     return listing()
@@ -273,15 +271,21 @@ def sessions_list(cmd: Command, peer: Peer, svc: Services):
 # ---- input --------------------------------------------------------------------------------------
 
 
-def duplicate_ack(cmd: Command, peer: Peer, svc: Services) -> str | None:
-    """An input whose client_seq the session has already seen is acknowledged, not applied."""
-    if not svc.directory.is_duplicate(cmd.session_id, cmd["client_seq"]):
+def duplicate_ack(cmd: Command, peer: Peer, svc: Services):
+    """An input whose client_seq is in the session's log is acknowledged, not applied (a resend
+    of one still on its way is answered once that one is logged: if it fails, so does this)."""
+    seen = svc.events.duplicate(cmd.session_id, cmd["client_seq"])
+    if seen is None:
         return None
-    return peer.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
-                            client_seq=cmd["client_seq"], duplicate=True)
+    ack = lambda _=None: peer.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,  # noqa: E731
+                                          client_seq=cmd["client_seq"], duplicate=True)
+    return ack() if seen is True else Await(seen, ack)
 
 
 def input_ack(cmd: Command, peer: Peer, svc: Services, result) -> str:
+    if result is DUPLICATE:  # a resend of a write that timed out but had landed
+        return peer.proto.event("input.ack", reply_to=cmd.event_id, session_id=cmd.session_id,
+                                client_seq=cmd["client_seq"], duplicate=True)
     svc.directory.note_lag(result.session_id, result.lag_s)
     return peer.proto.event(
         "input.ack", reply_to=cmd.event_id, session_id=result.session_id, seq=result.seq,
@@ -294,28 +298,27 @@ def input_append(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
     if (dup := duplicate_ack(cmd, peer, svc)) is not None:
         return dup
-    fut, durable = svc.logged(sid, lambda r: Append(text=cmd["text"], seq=r.seq, client_seq=cmd["client_seq"],
-                                                    evicted=r.evicted_seqs or None),
-                              lambda then_: svc.engine.append(sid, cmd["text"], then=then_))
-    return Await(fut, lambda r: input_ack(cmd, peer, svc, r), durable)
+    record = Append(text=cmd["text"], client_seq=cmd["client_seq"])
+    task = svc.events.first(sid, record, lambda: svc.engine.append(sid, cmd["text"]), cmd["client_seq"])
+    return Await(task, lambda r: input_ack(cmd, peer, svc, r))
 
 
 def input_revise(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
     if (dup := duplicate_ack(cmd, peer, svc)) is not None:
         return dup
-    fut, durable = svc.logged(sid, lambda r: Revise(text=cmd["text"], seq=r.seq, client_seq=cmd["client_seq"],
-                                                    from_seq=cmd["from_seq"], evicted=r.evicted_seqs or None),
-                              lambda then_: svc.engine.revise(sid, cmd["text"], cmd["from_seq"], then=then_))
-    return Await(fut, lambda r: input_ack(cmd, peer, svc, r), durable)
+    record = Revise(text=cmd["text"], client_seq=cmd["client_seq"], from_seq=cmd["from_seq"])
+    task = svc.events.first(sid, record, lambda: svc.engine.revise(sid, cmd["text"], cmd["from_seq"]),
+                            cmd["client_seq"])
+    return Await(task, lambda r: input_ack(cmd, peer, svc, r))
 
 
 def input_end(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
-    fut, durable = svc.logged(sid, lambda _: End(), lambda then_: svc.engine.end_input(sid, then=then_))
-    return Await(fut, lambda st: peer.proto.event("input.ack", reply_to=cmd.event_id, session_id=sid,
-                                                  seq=st["last_seq"], ended=True, total_tokens=st["tokens"],
-                                                  data_version=st["data_version"]), durable)
+    task = svc.events.first(sid, End(), lambda: svc.engine.end_input(sid))
+    return Await(task, lambda st: peer.proto.event("input.ack", reply_to=cmd.event_id, session_id=sid,
+                                                   seq=st["last_seq"], ended=True, total_tokens=st["tokens"],
+                                                   data_version=st["data_version"]))
 
 
 # ---- questions ----------------------------------------------------------------------------------
@@ -364,18 +367,17 @@ def query_cancel(cmd: Command, peer: Peer, svc: Services):
 def flash_register(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
     args = flash_args(cmd.fields)
-    fut, durable = svc.logged(sid, lambda st: FlashRegister.of(args, st),
-                              lambda then_: svc.engine.register_flash(sid, **args, then=then_))
-    return Await(fut, lambda st: peer.proto.event("flash.registered", reply_to=cmd.event_id, session_id=sid,
-                                                  flash=st), durable)
+    task = svc.events.after(sid, lambda: svc.engine.register_flash(sid, **args), lambda st: FlashRegister.of(args, st))
+    return Await(task, lambda st: peer.proto.event("flash.registered", reply_to=cmd.event_id, session_id=sid,
+                                                   flash=st))
 
 
 def flash_unregister(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
-    fut, durable = svc.logged(sid, lambda st: FlashUnregister(flash_id=st["flash_id"]),
-                              lambda then_: svc.engine.unregister_flash(sid, cmd["flash_id"], then=then_))
-    return Await(fut, lambda st: peer.proto.event("flash.unregistered", reply_to=cmd.event_id, session_id=sid,
-                                                  flash_id=st["flash_id"]), durable)
+    task = svc.events.first(sid, FlashUnregister(flash_id=cmd["flash_id"]),
+                            lambda: svc.engine.unregister_flash(sid, cmd["flash_id"]))
+    return Await(task, lambda st: peer.proto.event("flash.unregistered", reply_to=cmd.event_id, session_id=sid,
+                                                   flash_id=st["flash_id"]))
 
 
 def flash_args(fields: dict) -> dict:

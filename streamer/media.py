@@ -197,16 +197,18 @@ class LoggedEngine:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
+    def _logged(self, session_id: str, call, record_of, then):
+        return self._events.from_thread(session_id, call, record_of, self._loop, then)
+
     def append(self, session_id: str, text: str, then=None):
-        hook = self._events.hook(session_id, lambda r: Append(text=text, seq=r.seq, source="media",
-                                                              evicted=r.evicted_seqs or None), self._loop)
-        return self._engine.append(session_id, text, then=_both(hook, then))
+        return self._logged(session_id, lambda: self._engine.append(session_id, text),
+                            lambda r: Append(text=text, seq=r.seq, source="media",
+                                              evicted=r.evicted_seqs or None), then)
 
     def revise(self, session_id: str, text: str, from_seq: int | None = None, then=None):
-        hook = self._events.hook(session_id, lambda r: Revise(text=text, from_seq=from_seq, seq=r.seq,
-                                                              source="media", evicted=r.evicted_seqs or None),
-                                 self._loop)
-        return self._engine.revise(session_id, text, from_seq, then=_both(hook, then))
+        return self._logged(session_id, lambda: self._engine.revise(session_id, text, from_seq),
+                            lambda r: Revise(text=text, from_seq=from_seq, seq=r.seq, source="media",
+                                              evicted=r.evicted_seqs or None), then)
 
     def transcribe(self, session_id: str, segment: str, text: str, final: bool, then=None):
         def record(r):  # what the engine did: appended, revised (or deleted) a partial, or nothing
@@ -217,24 +219,11 @@ class LoggedEngine:
                 return Revise(text=text, from_seq=r.replaced_seqs[0], seq=r.seq, source="media", evicted=evicted)
             return Append(text=text, seq=r.seq, source="media", evicted=evicted)
 
-        hook = self._events.hook(session_id, record, self._loop)
-        return self._engine.transcribe(session_id, segment, text, final, then=_both(hook, then))
+        return self._logged(session_id, lambda: self._engine.transcribe(session_id, segment, text, final),
+                            record, then)
 
     def ensure_window(self, session_id: str, max_tokens: int, then=None):
         def record(state: dict):  # logged only when it set a window
             return Update(window=state["window_set"]) if state.get("window_set") else None
 
-        hook = self._events.hook(session_id, record, self._loop)
-        return self._engine.ensure_window(session_id, max_tokens, then=_both(hook, then))
-
-
-def _both(first, second):
-    """Two done-callbacks as one, in order (the log's first)."""
-    if second is None:
-        return first
-
-    def both(f) -> None:
-        first(f)
-        second(f)
-
-    return both
+        return self._logged(session_id, lambda: self._engine.ensure_window(session_id, max_tokens), record, then)

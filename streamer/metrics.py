@@ -28,15 +28,20 @@ EDGE_COUNTERS = {
     "slow_consumers_dropped": "Connections dropped for not reading their events",
     "idle_closed": "Idle connections closed",
     "auth_refused": "Handshakes or session creations refused for a missing or unknown API key",
+    "junk_closed": "Connections closed for sending too many refused or invalid frames",
 }
 
 
 DURABILITY = {
     "log_records": "Records appended to session event logs",
-    "log_errors": "Accepted changes the store failed to log",
+    "log_errors": "Log writes the store failed (the change is not acknowledged)",
+    "log_settled": "Failed log writes settled later (written again, or found to have landed)",
+    "log_fenced": "Failed log writes fenced with a void record (never applied)",
+    "relogged": "Sessions re-claimed and re-written into a store that had lost them",
     "duplicates": "Inputs acknowledged as duplicates of a client_seq already seen",
     "recovered": "Sessions recovered by replaying their event logs",
     "detached_expired": "Detached sessions closed when their TTL ran out",
+    "detached_evicted": "Detached sessions closed early: their client or the server was over its detach quota",
     "snapshots": "Session snapshots written",
 }
 

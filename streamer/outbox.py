@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ class Outbox:
             await asyncio.wait_for(self.ws.close(close_code, message[:120]), 2.0)
         except (asyncio.TimeoutError, ConnectionClosed):
             pass
-        if self.ws.transport is not None and not self.ws.transport.is_closing():
-            self.ws.transport.abort()
+        if self.ws.transport is not None and self.ws.state is not State.CLOSED:
+            self.ws.transport.abort()  # no close handshake came back (or the peer never stops sending)
 
     def check_slow(self, now: float) -> None:
         cfg = self.config

@@ -30,6 +30,7 @@ class Record:
     kind: ClassVar[str] = "record"
     ts: float | None = None  # when it was logged
     n: int | None = None  # its position in the log (1-based), set by the store
+    first: bool | None = None  # logged before it was applied (a refusal by the engine is replayed as one)
 
     def to_json(self) -> dict[str, Any]:
         body = {k: v for k, v in asdict(self).items() if v is not None and k != "n"}
@@ -85,9 +86,9 @@ class Append(Record):
         return engine.append(session_id, self.text, evict_first=self.evicted, then=then_)
 
     def check(self, result: Any) -> None:
-        if result.seq != self.seq:
+        if self.seq is not None and result.seq != self.seq:
             raise ReplayError(f"record {self.n} ({self.kind}) replayed as seq {result.seq}, logged as seq {self.seq}")
-        if (result.evicted_seqs or None) != self.evicted:
+        if not self.first and (result.evicted_seqs or None) != self.evicted:  # logged after it was applied
             raise ReplayError(f"record {self.n} ({self.kind}) evicted inputs {result.evicted_seqs} on replay, "
                               f"logged {self.evicted or []}")
 
@@ -172,8 +173,24 @@ class Close(Record):
         raise ReplayError(f"session {session_id} was closed")
 
 
+@dataclass(slots=True, kw_only=True)
+class Void(Record):
+    """Fences a position whose write failed and was never applied (streamer.eventlog): a write
+    that timed out and lands later finds the position taken. Replays as nothing."""
+
+    kind: ClassVar[str] = "void"
+    rid_of: str | None = None  # the id of the record that was not applied
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        done: Future = Future()
+        if then_ is not None:
+            done.add_done_callback(then_)
+        done.set_result(None)
+        return done
+
+
 KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (Create, Append, Revise, End, FlashRegister,
-                                                            FlashUnregister, Update, Close)}
+                                                            FlashUnregister, Update, Close, Void)}
 
 
 def then(first: Future, make_second, done: Callable[[Future], None] | None = None) -> Future:

@@ -6,7 +6,9 @@ it: appends, revises, input.end, flash registrations and removals, setting updat
 records (streamer.records). Replaying them through the same engine calls, in the same order,
 gives the same token ids at the same positions (each chunk is tokenized on its own), hence the
 same caches, the same seq numbers and the same greedy answers. Each replayed input's seq is
-checked against the logged one.
+checked against the logged one where the log has it (inputs logged before they were applied
+have none; one the engine refused then is refused again and skipped; `void` records replay
+as nothing: see streamer.eventlog).
 
 Not replayed: action rules and running action policies (they are not logged; a client that
 resumes re-sends them), reasoning written by `interleaved` thinking (it is regenerated, so the
@@ -18,11 +20,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from streamer.sessions.errors import EngineError
+from streamer.sessions.errors import Code, EngineError
 
 from .records import Create, Record, ReplayError
 
 log = logging.getLogger(__name__)
+
+# Refusals that depend only on the session's own inputs, never on the worker (its memory or
+# limits): a record logged first and refused with one of these was refused live too. Any other
+# refusal (kv_budget_exceeded, context_overflow on a smaller worker) fails the replay.
+REFUSED_THE_SAME_EVERYWHERE = frozenset({Code.INPUT_ENDED, Code.INVALID_FIELD, Code.FLASH_NOT_FOUND,
+                                         Code.MISSING_FIELD})
 
 
 def parse(raw: list[dict]) -> list[Record]:
@@ -41,6 +49,8 @@ async def replay(engine, session_id: str, raw: list[dict]) -> dict:
         try:
             result = await asyncio.wrap_future(fut)
         except EngineError as exc:
+            if record.first and exc.code in REFUSED_THE_SAME_EVERYWHERE:
+                continue  # logged before it was applied, and refused then too: the same refusal
             raise ReplayError(f"replaying record {record.n} ({record.kind}) of session {session_id} "
                               f"failed: {exc.message}") from exc
         record.check(result)

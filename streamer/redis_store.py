@@ -2,7 +2,8 @@
 
 Keys (all under `prefix`, default `streamer`):
 
-- `{p}:log:{sid}`    Stream; one entry per record, fields `n` (position) and `r` (JSON record)
+- `{p}:log:{sid}`    Stream; one entry per record, fields `n` (position), `r` (JSON record) and `i`
+                     (the record's id); the entry id is `0-n`, so position n is looked up directly
 - `{p}:owner:{sid}`  String; the owning worker's id
 - `{p}:worker:{wid}` String with a TTL of WORKER_TTL_S; the worker's URL (its heartbeat)
 - `{p}:snap:{sid}`   String; the session's latest snapshot (JSON)
@@ -12,6 +13,14 @@ Appends and claims are Lua scripts, so they are atomic: an append succeeds only 
 worker owns the session (a worker that was presumed dead and came back cannot write into a
 log another worker adopted: fencing without home-made consensus), and a claim succeeds only
 when the session has no owner, or an owner whose heartbeat key has expired.
+
+An append names its position n and record id: it is idempotent by (session, n), so a write
+that timed out (and may have landed) is retried or read back without duplicating a record or
+leaving a gap. An append to a session of which Redis knows nothing (no owner entry, no log:
+Redis restarted empty) raises StoreLost, and the event log re-claims the session.
+
+Every Redis error becomes a StoreError. Commands time out after `socket_timeout` seconds
+(default 5; `?socket_timeout=` in the URL), so a stalled Redis fails writes instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,13 +31,33 @@ import time
 
 import redis.asyncio as redis
 
-from .store import DEFAULT_RETENTION_S, WORKER_TTL_S, Store, StoreError
+from .store import DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, NotOwner, Store, StoreError, StoreLost
+
+DEFAULT_SOCKET_TIMEOUT_S = 5.0
 
 _APPEND = """
-if redis.call('GET', KEYS[2]) ~= ARGV[2] then return -1 end
-local n = redis.call('XLEN', KEYS[1]) + 1
-redis.call('XADD', KEYS[1], '*', 'n', n, 'r', ARGV[1])
-return n
+local owner = redis.call('GET', KEYS[2])
+if not owner then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {-4} end
+  return {-1}
+end
+if owner ~= ARGV[2] then return {-1} end
+local len = redis.call('XLEN', KEYS[1])
+local n = tonumber(ARGV[3])
+if n == 0 then n = len + 1 end
+if n <= len then
+  local at = redis.call('XRANGE', KEYS[1], '0-' .. n, '0-' .. n)
+  local holder = ''
+  if #at > 0 then
+    local f = at[1][2]
+    for k = 1, #f, 2 do if f[k] == 'i' then holder = f[k + 1] end end
+  end
+  if holder ~= '' and holder == ARGV[4] then return {n} end
+  return {-2, holder}
+end
+if n > len + 1 then return {-3, len} end
+redis.call('XADD', KEYS[1], '0-' .. n, 'n', n, 'r', ARGV[1], 'i', ARGV[4])
+return {n}
 """
 
 _CLAIM = """
@@ -39,10 +68,6 @@ return false
 """
 
 
-class NotOwner(StoreError):
-    pass
-
-
 class RedisStore(Store):
     kind = "redis"
 
@@ -51,7 +76,10 @@ class RedisStore(Store):
         super().__init__(worker_id, retention_s)
         self.url = url
         self.prefix = prefix
-        self.redis = redis.Redis.from_url(url, decode_responses=True)
+        options = {} if "socket_timeout" in url else {"socket_timeout": DEFAULT_SOCKET_TIMEOUT_S}
+        if "socket_connect_timeout" not in url:
+            options["socket_connect_timeout"] = DEFAULT_SOCKET_TIMEOUT_S
+        self.redis = redis.Redis.from_url(url, decode_responses=True, **options)
         self._append = self.redis.register_script(_APPEND)
         self._claim = self.redis.register_script(_CLAIM)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -69,8 +97,8 @@ class RedisStore(Store):
         return self
 
     async def heartbeat(self) -> None:
-        await self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
-                             px=int(WORKER_TTL_S * 1000))
+        await self._do(self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
+                                      px=int(WORKER_TTL_S * 1000)))
 
     async def close(self) -> None:
         if self._closed:
@@ -85,58 +113,76 @@ class RedisStore(Store):
 
     # ---- event log ------------------------------------------------------------------------
 
-    async def append(self, session_id: str, record: dict) -> int:
+    async def append(self, session_id: str, record: dict, n: int | None = None, rid: str | None = None) -> int:
         # One writer per session at a time, in call order (asyncio locks are FIFO), so the log
-        # order is the order the engine applied the inputs.
+        # order is the order of the calls.
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         async with lock:
             data = json.dumps({**record, "session_id": session_id}, ensure_ascii=False, separators=(",", ":"))
-            try:
-                n = await self._append(keys=[self.key("log", session_id), self.key("owner", session_id)],
-                                       args=[data, self.worker_id])
-            except redis.RedisError as exc:
-                raise StoreError(f"Redis at {self.url}: {exc}") from None
-        if n == -1:
+            out = await self._do(self._append(keys=[self.key("log", session_id), self.key("owner", session_id)],
+                                              args=[data, self.worker_id, n or 0, rid or ""]))
+        code = int(out[0])
+        if code == -1:
             raise NotOwner(f"worker {self.worker_id} no longer owns session {session_id}")
-        return int(n)
+        if code == -4:
+            raise StoreLost(f"Redis at {self.url} knows nothing of session {session_id} (restarted empty?)")
+        if code == -2:
+            raise Conflict(f"position {n} of the log of session {session_id} holds record {out[1] or '?'}",
+                           out[1] or None)
+        if code == -3:
+            raise Conflict(f"log of session {session_id} has {out[1]} records; cannot write position {n}")
+        return code
+
+    async def _do(self, awaitable):
+        try:
+            return await awaitable
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self.url}: {exc}") from None
 
     async def log_length(self, session_id: str) -> int:
-        return await self.redis.xlen(self.key("log", session_id))
+        return await self._do(self.redis.xlen(self.key("log", session_id)))
+
+    @staticmethod
+    def _record(fields: dict) -> dict:
+        record = json.loads(fields["r"])
+        record["n"] = int(fields["n"])
+        if fields.get("i"):
+            record["rid"] = fields["i"]
+        return record
 
     async def read_log(self, session_id: str) -> list[dict]:
-        records = []
-        for _, fields in await self.redis.xrange(self.key("log", session_id)):
-            record = json.loads(fields["r"])
-            record["n"] = int(fields["n"])
-            records.append(record)
-        return records
+        return [self._record(fields) for _, fields in await self._do(self.redis.xrange(self.key("log", session_id)))]
+
+    async def record_at(self, session_id: str, n: int) -> dict | None:
+        at = await self._do(self.redis.xrange(self.key("log", session_id), f"0-{n}", f"0-{n}"))
+        return self._record(at[0][1]) if at else None
 
     async def closed(self, session_id: str) -> None:
         ttl = max(1, int(self.retention_s))
         pipe = self.redis.pipeline()
         for kind in ("log", "snap", "owner"):
             pipe.expire(self.key(kind, session_id), ttl)
-        await pipe.execute()
+        await self._do(pipe.execute())
         self._locks.pop(session_id, None)
 
     # ---- directory ------------------------------------------------------------------------
 
     async def claim(self, session_id: str) -> str | None:
-        owner = await self._claim(keys=[self.key("owner", session_id)],
-                                  args=[self.worker_id, self.key("worker", "")])
+        owner = await self._do(self._claim(keys=[self.key("owner", session_id)],
+                                           args=[self.worker_id, self.key("worker", "")]))
         return owner or None
 
     async def owner(self, session_id: str) -> dict | None:
-        worker = await self.redis.get(self.key("owner", session_id))
+        worker = await self._do(self.redis.get(self.key("owner", session_id)))
         if worker is None:
             return None
-        url = await self.redis.get(self.key("worker", worker))
+        url = await self._do(self.redis.get(self.key("worker", worker)))
         return {"worker": worker, "url": url or None, "alive": url is not None}
 
     async def release(self, session_id: str) -> None:
         key = self.key("owner", session_id)
-        if await self.redis.get(key) == self.worker_id:
-            await self.redis.delete(key)
+        if await self._do(self.redis.get(key)) == self.worker_id:
+            await self._do(self.redis.delete(key))
 
     # ---- snapshots ------------------------------------------------------------------------
 
@@ -144,18 +190,18 @@ class RedisStore(Store):
         pipe = self.redis.pipeline()
         pipe.set(self.key("snap", session_id), json.dumps(snapshot, separators=(",", ":")))
         pipe.zadd(self.key("sessions"), {session_id: snapshot.get("updated_at") or time.time()})
-        await pipe.execute()
+        await self._do(pipe.execute())
 
     async def snapshot(self, session_id: str) -> dict | None:
-        data = await self.redis.get(self.key("snap", session_id))
+        data = await self._do(self.redis.get(self.key("snap", session_id)))
         return json.loads(data) if data else None
 
     async def snapshots(self, limit: int = 500) -> list[dict]:
-        ids = await self.redis.zrevrange(self.key("sessions"), 0, limit - 1)
+        ids = await self._do(self.redis.zrevrange(self.key("sessions"), 0, limit - 1))
         if not ids:
             return []
-        values = await self.redis.mget([self.key("snap", sid) for sid in ids])
+        values = await self._do(self.redis.mget([self.key("snap", sid) for sid in ids]))
         gone = [sid for sid, v in zip(ids, values) if v is None]
         if gone:  # expired by retention: drop them from the list too
-            await self.redis.zrem(self.key("sessions"), *gone)
+            await self._do(self.redis.zrem(self.key("sessions"), *gone))
         return [json.loads(v) for v in values if v is not None]

@@ -44,7 +44,8 @@ class Moved(EngineError):
 
 class Resumer:
     def __init__(self, engine, store: Store, directory: Directory, events: EventLog, snapshots: Snapshots,
-                 detach_ttl_s: float = DEFAULT_DETACH_TTL_S, on_close: Callable[[str], None] | None = None) -> None:
+                 detach_ttl_s: float = DEFAULT_DETACH_TTL_S, on_close: Callable[[str], None] | None = None,
+                 max_detached: int = 128, max_detached_per_client: int = 8) -> None:
         self.engine = engine
         self.store = store
         self.directory = directory
@@ -53,17 +54,34 @@ class Resumer:
         self.detach_ttl_s = detach_ttl_s
         self.on_close = on_close  # a session closed here (the MQTT bridge stops publishing it)
         self._recovering: dict[str, asyncio.Future] = {}
-        self.counters = {"recovered": 0, "detached_expired": 0}
+        self.max_detached, self.max_detached_per_client = max_detached, max_detached_per_client
+        self.counters = {"recovered": 0, "detached_expired": 0, "detached_evicted": 0}
 
-    def detach(self, session_id: str) -> None:
-        """Its producer went away: keep the session for `detach_ttl_s`, then close it."""
+    def detach(self, session_id: str, client: str | None = None) -> None:
+        """Its producer went away: keep the session for `detach_ttl_s`, then close it. Over the
+        client's or the server's detach quota, the oldest detached session closes first."""
         tracked = self.directory.get(session_id)
         if tracked is None or self.detach_ttl_s <= 0:
             self.close(session_id, "detached")
             return
         tracked.detached_at = time.time()
+        tracked.client = client
         tracked.dirty = True
+        self._schedule_expiry(session_id, tracked)
+        self._enforce_quota(client)
 
+    def _enforce_quota(self, client: str | None) -> None:
+        for limit, mine in ((self.max_detached_per_client, lambda t: client is not None and t.client == client),
+                            (self.max_detached, lambda t: True)):
+            held = sorted((t for t in self.directory.sessions.values() if t.detached_at is not None and mine(t)),
+                          key=lambda t: t.detached_at)
+            for tracked in held[:max(0, len(held) - limit)]:
+                self.counters["detached_evicted"] += 1
+                log.info("session %s closed: over the detach quota of %s", tracked.session_id,
+                         "its client" if limit == self.max_detached_per_client else "the server")
+                self.close(tracked.session_id, "detached")
+
+    def _schedule_expiry(self, session_id: str, tracked: Tracked) -> None:
         def expire() -> None:
             if tracked.detached_at is not None and self.directory.get(session_id) is tracked:
                 self.counters["detached_expired"] += 1
@@ -88,11 +106,12 @@ class Resumer:
             self.on_close(session_id)
         self.directory.forget(session_id)
         recorded = self.events.spawn(self._record_close(session_id, reason))
+        recorded.add_done_callback(lambda t: t.cancelled() or t.exception())
         return self.engine.close_session(session_id), recorded
 
     async def _record_close(self, session_id: str, reason: str) -> None:
         try:
-            await self.store.append(session_id, Close(ts=time.time(), reason=reason).to_json())
+            await self.events.closing(session_id, Close(ts=time.time(), reason=reason))
             await self.store.put_snapshot(session_id, {**(await self.store.snapshot(session_id) or
                                                           {"session_id": session_id}),
                                                        "closed": True, "updated_at": time.time()})
@@ -139,6 +158,7 @@ class Resumer:
                 self.engine.close_session(session_id)
             await self.store.release(session_id)
             raise
+        self.events.open(session_id, raw)
         tracked = self.directory.restore(session_id, digests, records[0].key, client_seq_of(records))
         self.snapshots.watch(tracked)
         self.counters["recovered"] += 1
@@ -153,6 +173,7 @@ class Resumer:
             except EngineError:
                 pass  # already gone
             self.directory.forget(sid)
+            self.events.forget(sid)
 
 
 def _is(token: str | None, want_digest: str) -> bool:

@@ -30,7 +30,7 @@ from streamer.sessions.engine import Engine
 from .auth import ApiKeys, key_from_request
 from .connection import Connection, LenientConnection
 from .directory import Directory
-from .eventlog import EventLog
+from .eventlog import DEFAULT_RELOG_MAX_BYTES, EventLog
 from .handlers import Peer, Services
 from .media import MediaConfig, MediaHub
 from .metrics import render as render_metrics
@@ -61,6 +61,10 @@ class ServerConfig:
     messages_burst: int = 400
     bytes_per_s: float = float(8 << 20)
     bytes_burst: int = 32 << 20  # never below max_frame_bytes, so one allowed frame always fits
+    # per connection: frames refused (rates) or invalid (protocol errors) get an error while this
+    # bucket lasts; past it the connection is closed with rate_limited (1008)
+    refused_per_s: float = 20.0
+    refused_burst: int = 100
     max_inflight: int = 256  # commands waiting for the engine; reading pauses above this, resumes at half
     # per connection, outbound: queued event bytes. Above high, reading the client pauses until the
     # queue is below low; above high for slow_consumer_s, or above max at any time, the client is
@@ -82,6 +86,11 @@ class ServerConfig:
     # durability and workers (streamer.eventlog, streamer.resume, streamer.store)
     store_url: str | None = None  # None: in-process; file:///dir: append-only logs; redis://host:port/db
     detach_ttl_s: float = DEFAULT_DETACH_TTL_S  # a session whose producer left closes after this; 0: at once
+    # detached sessions hold engine slots and memory: at most this many per client (API key name,
+    # or remote address without keys) and on the server; beyond, the oldest detached one closes
+    max_detached_per_client: int = 8
+    max_detached: int = 128
+    relog_max_bytes: int = DEFAULT_RELOG_MAX_BYTES  # per session: the log copy kept to re-write a lost store
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S  # at most one snapshot per session per interval
     worker_id: str | None = None  # default: a random id per process
     public_url: str | None = None  # how clients reach this worker (sent in `moved`); default ws://host:port
@@ -97,14 +106,15 @@ class StreamerServer:
         self.connections: set[Connection] = set()
         self.shutting_down = False
         self.edge = dict.fromkeys(("backpressure_pauses", "rate_limited", "slow_consumers_dropped", "idle_closed",
-                                   "auth_refused"), 0)  # edge counters for /metrics
+                                   "auth_refused", "junk_closed"), 0)  # edge counters for /metrics
         self._stopped = False
         self.store = open_store(cfg.store_url, cfg.worker_id)
         self.directory = Directory(cfg.api_keys.enabled, cfg.sessions_per_key)
-        self.events = EventLog(self.store, self.directory)
+        self.events = EventLog(self.store, self.directory, cfg.relog_max_bytes)
         self.snapshots = Snapshots(engine, self.store, self.directory, self.push_snapshot, cfg.snapshot_interval_s)
         self.resumer = Resumer(engine, self.store, self.directory, self.events, self.snapshots, cfg.detach_ttl_s,
-                               on_close=self._unpublish)
+                               on_close=self._unpublish, max_detached=cfg.max_detached,
+                               max_detached_per_client=cfg.max_detached_per_client)
         self.services = Services(engine, cfg, self.directory, self.events, self.resumer, self.snapshots, self.store,
                                  self.take_over, edge=self.edge)
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
@@ -180,8 +190,9 @@ class StreamerServer:
         pending = sum(c.inflight for c in self.connections)
         while any(c.inflight for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        unfinished = sum(c.inflight for c in self.connections)
-        while any(c.outbox.bytes for c in self.connections) and time.monotonic() < deadline:
+        unfinished = sum(c.shutdown_replies() for c in self.connections)  # a final event for each
+        flushed = max(deadline, time.monotonic() + 1.0)
+        while any(c.outbox.bytes for c in self.connections) and time.monotonic() < flushed:
             await asyncio.sleep(0.02)  # let the writers deliver the last replies
         closing = [asyncio.wait_for(c.ws.close(1001, "server shutting down"), 2.0) for c in list(self.connections)]
         await asyncio.gather(*closing, return_exceptions=True)

@@ -36,7 +36,26 @@ WORKER_TTL_S = 6.0  # a worker silent this long is dead; its sessions may be ado
 
 
 class StoreError(Exception):
-    pass
+    """The store could not do it (unreachable, timed out, refused). After a timeout a write may
+    or may not have landed: the event log resolves that by reading the position back."""
+
+
+class NotOwner(StoreError):
+    """This worker no longer owns the session in the store's directory."""
+
+
+class StoreLost(NotOwner):
+    """The store knows nothing of the session any more (it restarted empty): neither its owner
+    entry nor its log exists. The event log re-claims it and re-writes its log from memory."""
+
+
+class Conflict(StoreError):
+    """Position `n` of the log holds another record (`holder`: that record's id, or None when
+    the log is shorter than n - 1: a gap)."""
+
+    def __init__(self, message: str, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class Store:
@@ -69,12 +88,25 @@ class Store:
 
     # ---- event log ------------------------------------------------------------------------
 
-    async def append(self, session_id: str, record: dict) -> int:
-        """Append one record; returns its position `n` (1-based). Durable on return."""
+    async def append(self, session_id: str, record: dict, n: int | None = None, rid: str | None = None) -> int:
+        """Append one record; returns its position `n` (1-based). Durable on return.
+
+        With `n` (and `rid`, the record's id) the write is idempotent by (session, n): when
+        position n already holds the record `rid`, it returns n and writes nothing; when it holds
+        another record, or the log is shorter than n - 1, it raises Conflict."""
         log = self._logs.setdefault(session_id, [])
-        record = {**record, "n": len(log) + 1}
+        if n is not None:
+            _check_position(session_id, n, rid, len(log), lambda: log[n - 1].get("rid"))
+            if n <= len(log):
+                return n
+        record = {**record, "n": len(log) + 1, **({"rid": rid} if rid else {})}
         log.append(record)
         return record["n"]
+
+    async def record_at(self, session_id: str, n: int) -> dict | None:
+        """The record at position n (with its `rid`), or None."""
+        log = await self.read_log(session_id)
+        return log[n - 1] if 0 < n <= len(log) else None
 
     async def read_log(self, session_id: str) -> list[dict]:
         return list(self._logs.get(session_id, ()))
@@ -163,20 +195,46 @@ class FileStore(Store):
         safe = _SAFE_ID.sub("_", session_id)
         return self.root / "logs" / f"{safe}.{_short_hash(session_id)}.jsonl"
 
-    async def append(self, session_id: str, record: dict) -> int:
-        f = self._files.get(session_id)
-        if f is None:
-            n = len(await self.read_log(session_id))
-            f = self._files[session_id] = open(self._path(session_id), "a", encoding="utf-8")
-            self._counts[session_id] = n
-        n = self._counts[session_id] + 1
-        line = json.dumps({**record, "n": n, "session_id": session_id}, ensure_ascii=False, separators=(",", ":"))
-        f.write(line + "\n")
-        f.flush()
-        if self.fsync:
-            os.fsync(f.fileno())
+    async def append(self, session_id: str, record: dict, n: int | None = None, rid: str | None = None) -> int:
+        try:
+            f = self._files.get(session_id)
+            if f is None:
+                count = len(await self.read_log(session_id))
+                f = self._files[session_id] = open(self._path(session_id), "a", encoding="utf-8")
+                self._counts[session_id] = count
+            count = self._counts[session_id]
+            if n is not None:
+                _check_position(session_id, n, rid, count, lambda: self._rid_at(session_id, n))
+                if n <= count:
+                    return n
+            n = count + 1
+            line = json.dumps({**record, "n": n, "session_id": session_id, **({"rid": rid} if rid else {})},
+                              ensure_ascii=False, separators=(",", ":"))
+            start = f.tell()
+            try:
+                f.write(line + "\n")
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            except OSError:  # a partial line must not hide the records written after it
+                self._files.pop(session_id, None)
+                try:
+                    f.close()
+                except OSError:
+                    pass
+                with open(self._path(session_id), "r+b") as raw:
+                    raw.truncate(start)
+                raise
+        except OSError as exc:
+            raise StoreError(f"writing the log of session {session_id}: {exc}") from None
         self._counts[session_id] = n
         return n
+
+    def _rid_at(self, session_id: str, n: int) -> str | None:
+        for i, line in enumerate(self._path(session_id).read_text(encoding="utf-8").splitlines(), 1):
+            if i == n:
+                return json.loads(line).get("rid")
+        return None
 
     async def log_length(self, session_id: str) -> int:
         if session_id in self._counts:
@@ -231,6 +289,17 @@ class FileStore(Store):
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def _check_position(session_id: str, n: int, rid: str | None, length: int, rid_at) -> None:
+    """Idempotent writes by (session, n): raise Conflict unless position n is free and next, or
+    already holds record `rid`."""
+    if n > length + 1:
+        raise Conflict(f"log of session {session_id} has {length} records; cannot write position {n}")
+    if n <= length:
+        holder = rid_at()
+        if rid is None or holder != rid:
+            raise Conflict(f"position {n} of the log of session {session_id} holds record {holder}", holder)
 
 
 def _short_hash(text: str) -> str:

@@ -42,7 +42,7 @@ export const COMMANDS = Object.freeze({
 });
 
 const FLASH_EVENTS = new Set(["flash.updated", "flash.stale"]);
-const STORE_UNAVAILABLE = "store_unavailable";  // applied but not logged: resent after a resume
+const STORE_UNAVAILABLE = "store_unavailable";  // not logged, not applied: resent after a resume
 
 /** An `error` event from the server (or a lost connection: code "connection_closed"). */
 export class StreamerError extends Error {

@@ -418,9 +418,9 @@ async def edge_limits(rec: Recorder, engine, tmp: Path) -> None:
         peer = await Peer.open(rec, url)
         big = {"type": "input.text.append", "session_id": "nosuch", "text": "p" * 40_000}
         await peer.refused(big, "session_not_found")
-        await peer.refused(big, "byte_rate_limited")
+        await peer.refused(json.dumps(big), "byte_rate_limited")  # refused unparsed: no reply_to
         await peer.refused({"type": "session.get", "session_id": "y"}, "session_not_found")
-        await peer.refused({"type": "session.get", "session_id": "y"}, "rate_limited")
+        await peer.refused(json.dumps({"type": "session.get", "session_id": "y"}), "rate_limited")
         await peer.close()
     finally:
         await server.stop()

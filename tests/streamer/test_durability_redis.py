@@ -105,8 +105,8 @@ def test_server_on_redis_logs_snapshots_and_recovers(tiny_engine, redis_url):
 
 
 def test_redis_going_away_costs_acks_not_the_server(tiny_engine, tmp_path):
-    """A private Redis that dies mid-session: inputs get `store_unavailable` (applied but not
-    acknowledged), reads keep working, and the server stops cleanly."""
+    """A private Redis that dies mid-session: inputs get `store_unavailable` (not applied, not
+    acknowledged: the client resends them), reads keep working, and the server stops cleanly."""
     import shutil
     import socket
     import subprocess
@@ -130,7 +130,7 @@ def test_redis_going_away_costs_acks_not_the_server(tiny_engine, tmp_path):
                                      "client_seq": 2})
         assert failed["type"] == "error" and failed["error"]["code"] == "store_unavailable", failed
         state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
-        assert state["inputs"] == 2  # applied; the client knows it is not durable
+        assert state["inputs"] == 1  # not applied: nothing the log lacks is in the session
         assert server.events.counters["log_errors"] == 1
 
     try:

@@ -43,8 +43,12 @@ def command(proto, **msg):
 async def settle(engine, outcome):
     """Run the engine until the handler's outcome is answered; the reply as a dict."""
     assert isinstance(outcome, Await)
-    engine.run_until_idle()
-    result = await asyncio.wrap_future(outcome.future)
+    future = outcome.future
+    future = asyncio.wrap_future(future) if not asyncio.isfuture(future) else future
+    while not future.done():  # the event log's task logs the change, then hands it to the engine
+        engine.run_until_idle()
+        await asyncio.sleep(0.001)
+    result = await future
     if outcome.durable is not None:
         await outcome.durable
     reply = outcome.reply(result)
@@ -68,7 +72,8 @@ def test_create_append_ask_and_what_the_log_holds(tiny):
         assert (ack["type"], ack["reply_to"], ack["seq"], ack["client_seq"]) == ("input.ack", "a1", 1, 1)
         log = await svc.store.read_log(sid)
         assert [r["kind"] for r in log] == ["create", "append"]  # durable before the ack was made
-        assert log[1]["text"] == "Ada keeps the light." and log[1]["seq"] == 1 and log[1]["client_seq"] == 1
+        assert log[1]["text"] == "Ada keeps the light." and log[1]["client_seq"] == 1
+        assert log[1]["first"] is True and "seq" not in log[1]  # logged before it was applied
         again = handlers.input_append(command(p.proto, type="input.text.append", session_id=sid, text="x",
                                               client_seq=1, event_id="a2"), p, svc)
         assert json.loads(again)["duplicate"] is True  # answered at once, not applied
@@ -118,10 +123,10 @@ class FailingStore(Store):
 
     down = False
 
-    async def append(self, session_id, record):
+    async def append(self, session_id, record, n=None, rid=None):
         if self.down:
             raise StoreError("the store is down")
-        return await super().append(session_id, record)
+        return await super().append(session_id, record, n, rid)
 
 
 def test_a_change_the_store_cannot_log_is_not_acknowledged(tiny):
@@ -133,11 +138,23 @@ def test_a_change_the_store_cannot_log_is_not_acknowledged(tiny):
         sid = (await settle(engine, handlers.session_create(command(p.proto, type="session.create"), p, svc)))[
             "session_id"]
         store.down = True
-        outcome = handlers.input_append(command(p.proto, type="input.text.append", session_id=sid, text="lost?"),
-                                        p, svc)
+        append = lambda seq: handlers.input_append(command(p.proto, type="input.text.append",  # noqa: E731
+                                                           session_id=sid, text="lost?", client_seq=seq), p, svc)
         with pytest.raises(EngineError) as info:
-            await settle(engine, outcome)
-        assert info.value.code == "store_unavailable"
+            await settle(engine, append(1))
+        assert info.value.code == "store_unavailable" and info.value.recoverable
         assert svc.events.counters["log_errors"] == 1
+        state = await asyncio.wrap_future(engine.session_state(sid))
+        assert state["inputs"] == 0 and state["last_seq"] == 0  # not applied, no seq taken
+        with pytest.raises(EngineError) as later:  # an input above the failed one waits for its resend
+            await settle(engine, append(2))
+        assert later.value.code == "store_unavailable" and "resend from" in later.value.message
+        store.down = False
+        ack = await settle(engine, append(1))  # the resend is accepted, not a duplicate
+        assert ack["type"] == "input.ack" and ack["seq"] == 1 and not ack.get("duplicate")
+        assert (await settle(engine, append(2)))["seq"] == 2
+        assert json.loads(append(2))["duplicate"] is True
+        kinds = [r["kind"] for r in await store.read_log(sid)]
+        assert kinds == ["create", "void", "append", "append"]  # the failed write's position is fenced
 
     asyncio.run(run())

@@ -132,11 +132,14 @@ def test_byte_rate(limited_engine):
         peer = await raw(url)
         sid = await peer.create()
         await asyncio.sleep(1.0)
-        acks = []
-        for i in range(3):  # ~260 bytes each against a 600-byte burst
-            acks.append(await peer.request({"type": "input.text.append", "session_id": sid, "text": "w " * 80}))
-        assert [a["type"] for a in acks[:2]] == ["input.ack", "input.ack"], acks
-        check_error(acks[-1], "byte_rate_limited")
+        for i in range(3):  # ~260 bytes each against a 600-byte burst, back to back
+            await peer.send({"type": "input.text.append", "session_id": sid, "text": "w " * 80, "event_id": f"a{i}"})
+        replies = [await peer.recv() for _ in range(3)]
+        acks = [r for r in replies if r["type"] == "input.ack"]
+        assert sorted(a["reply_to"] for a in acks) == ["a0", "a1"], replies
+        refused = next(r for r in replies if r["type"] == "error")
+        check_error(refused, "byte_rate_limited")
+        assert "reply_to" not in refused  # refused before it was parsed
         await asyncio.sleep(2.0)
         await peer.still_serving(sid)
         await survives(others)
@@ -222,6 +225,61 @@ def test_inflight_backpressure_loses_nothing(limited_engine):
         assert state["session"]["last_seq"] == 40
 
     serve(limited_engine, test, max_inflight=2)
+
+
+def test_a_flood_of_junk_is_throttled_then_closed(limited_engine):
+    """Invalid frames count against the rate limits before they are parsed; a connection that
+    keeps sending refused or invalid frames is closed (rate_limited, 1008), and a bystander's
+    session keeps answering throughout."""
+
+    async def test(url, server):
+        others = [await bystander(url)]
+        attacker = await raw(url)
+        codes = []
+        try:
+            for i in range(5000):
+                await attacker.send("{not json" if i % 2 else b"\x00" * 2048)
+        except ConnectionClosed:
+            pass  # closed while it was still sending
+        try:
+            while True:
+                codes.append((await attacker.recv(timeout=10))["error"])
+        except ConnectionClosed as closed:
+            assert closed.rcvd is not None and closed.rcvd.code == 1008, closed
+        assert {c["code"] for c in codes} <= {"invalid_json", "unexpected_binary", "rate_limited", "byte_rate_limited"}
+        assert codes[-1]["code"] == "rate_limited" and codes[-1]["recoverable"] is False, codes[-1]
+        assert "refused or invalid frames" in codes[-1]["message"]
+        assert len(codes) <= 102  # errors stop at the refused-frame burst: junk is not answered in kind
+        assert server.edge["junk_closed"] == 1 and server.edge["rate_limited"] >= 1
+        await survives(others)
+
+    serve(limited_engine, test, messages_per_s=50, messages_burst=50, refused_per_s=20, refused_burst=100,
+          media=None)
+
+
+def test_detached_sessions_are_capped_per_client(limited_engine):
+    """A client that leaves sessions detached holds at most `max_detached_per_client` of them:
+    past it its oldest detached session closes (resume: session_not_found), the newer ones
+    resume."""
+
+    async def test(url, server):
+        made = []
+        for _ in range(3):
+            peer = await raw(url)
+            created = await peer.request({"type": "session.create"})
+            made.append((created["session_id"], created["tokens"]["producer"]))
+            await peer.ws.close()
+            await until(lambda: server.directory.detached() + server.resumer.counters["detached_evicted"]
+                        == len(made), 10, "the session to be detached")
+        assert server.resumer.counters["detached_evicted"] == 1 and server.directory.detached() == 2
+        peer = await raw(url)
+        check_error(await peer.request({"type": "session.resume", "session_id": made[0][0], "token": made[0][1]}),
+                    "session_not_found")
+        for sid, token in made[1:]:
+            resumed = await peer.request({"type": "session.resume", "session_id": sid, "token": token})
+            assert resumed["type"] == "session.resumed", resumed
+
+    serve(limited_engine, test, max_detached_per_client=2)
 
 
 def test_limits_are_documented():

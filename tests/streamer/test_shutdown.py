@@ -66,3 +66,45 @@ def test_sigterm_finishes_in_flight_work_then_closes_1001(embedded):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_closes_idle_connections_and_ends_every_queued_answer(embedded):
+    """A short grace: an idle connection is closed with 1001, and of 8 questions queued on one
+    session each one gets a final event before the close, its `query.done` or a `shutting_down`
+    error naming it; none is cut silently."""
+    proc, url, lines = start_server("--limit", "shutdown_grace_s=1")
+    try:
+        async def scenario():
+            idle = await raw(url)
+            peer = await raw(url)
+            sid = await peer.create()
+            ack = await peer.request({"type": "input.text.append", "session_id": sid,
+                                      "text": "The keeper logged a storm at dawn and a calm sea by noon."})
+            assert ack["type"] == "input.ack"
+            asked = [f"q{i}" for i in range(8)]
+            for qid in asked:
+                await peer.send({"type": "query.create", "session_id": sid, "event_id": qid, "query_id": qid,
+                                 "question": "Write a long story about the keeper.", "max_tokens": 200})
+            first = await peer.recv(timeout=60)  # the questions are running
+            proc.send_signal(signal.SIGTERM)
+            events = [first]
+            with pytest.raises(ConnectionClosed) as info:
+                while True:
+                    events.append(await peer.recv(timeout=60))
+            assert info.value.rcvd is not None and info.value.rcvd.code == 1001
+            final = {e["reply_to"]: e for e in events if e.get("reply_to") in asked
+                     and e["type"] in ("query.done", "error")}
+            assert sorted(final) == asked, events[-5:]
+            cut = [e for e in final.values() if e["type"] == "error"]
+            assert cut and all(e["error"]["code"] == "shutting_down" for e in cut)  # 8 x 200 tokens outlast 1 s
+            with pytest.raises(ConnectionClosed) as idle_closed:
+                await idle.recv(timeout=30)
+            assert idle_closed.value.rcvd is not None and idle_closed.value.rcvd.code == 1001
+
+        asyncio.run(scenario())
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + out
+        assert "shut down: 2 connections closed" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
