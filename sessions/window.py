@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import ContextOverflow, InvalidRequest
+from .jobs import Job
 from .rope import rotate_keys
 from .session import Session
 
@@ -265,12 +266,29 @@ def configure(core, session_id: str, max_tokens: int | None = None, keep_tokens:
         return session.state()
     if max_tokens is None:
         raise InvalidRequest("window needs 'max_tokens' (or null for an unbounded session)", param="max_tokens")
-    window = set_window(session, max_tokens, keep_tokens, sink_inputs)
-    if core.lanes.busy(session_id) or session.pending_tokens:
-        return session.state()  # evicts when its next input starts
-    if session.cache.length > max_tokens:
-        evict(session, window.keep_tokens)
-    return session.state()
+    set_window(session, max_tokens, keep_tokens, sink_inputs)
+    return core.submit(ResizeJob(session))  # in the FIFO: after the input queued before it
+
+
+class ResizeJob(Job):
+    """A new bound takes effect at its turn in the session's FIFO: a cache past it is evicted
+    down to `keep_tokens` then (so a replay that queues the same records evicts the same
+    inputs). Runs no forward; resolves to the session state."""
+
+    kind = "resize"
+
+    def want(self) -> int:
+        return 0
+
+    def plan(self, budget: int) -> list:
+        s = self.session
+        if s.window is not None and s.cache.length > s.window.max_tokens:
+            evict(s, s.window.keep_tokens)
+        self.done = True
+        return []
+
+    def result(self) -> dict:
+        return self.session.state()
 
 
 def ensure(core, session_id: str, max_tokens: int) -> dict:

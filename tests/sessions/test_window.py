@@ -201,3 +201,28 @@ def test_window_refusals(tiny):
     with pytest.raises(ContextOverflow, match="window"):
         engine.append(sid, "word " * 60)
     assert engine.append(sid, "still fine").seq == 1
+
+
+def test_a_new_bound_takes_effect_at_its_turn_in_the_fifo(tiny):
+    """A window set while inputs are queued evicts when its turn comes, after them: the same
+    records queued at once (replay) or one by one evict the same inputs."""
+    runner, _ = tiny
+
+    def run(step_by_step: bool):
+        engine = driven(runner, step_tokens=64)
+        sid = Sync(engine).create_session()["session_id"]
+        futures = []
+        for i, line in enumerate(LINES[:30]):
+            futures.append(engine.append(sid, line))
+            if i == 20:
+                futures.append(engine.configure_window(sid, max_tokens=200, keep_tokens=150))
+            if step_by_step:
+                engine.run_until_idle()
+        engine.run_until_idle()
+        session = engine.sessions[sid]
+        return [c.seq for c in session.chunks], session.cache.snapshot(), futures[21].result(0)
+
+    a_seqs, a_kv, resized = run(True)
+    b_seqs, b_kv, _ = run(False)
+    assert resized["tokens"] <= 200 and resized["window"]["slides"] >= 1 and resized["last_seq"] == 21
+    assert a_seqs == b_seqs and (a_kv - b_kv).abs().max().item() <= 1e-5
