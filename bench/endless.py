@@ -56,7 +56,7 @@ async def feed(url: str, minutes: float, interval: float, thinking: bool, report
     import websockets
 
     rnd = random.Random(1)
-    async with websockets.connect(url, max_size=None) as ws:
+    async with websockets.connect(url, max_size=None, ping_interval=None) as ws:
         create = {"type": "session.create", "event_id": "c",
                   "flash": [{"question": q, "max_tokens": 12} for q in QUESTIONS]}
         if thinking:
@@ -93,7 +93,16 @@ async def feed(url: str, minutes: float, interval: float, thinking: bool, report
                 if kind == "state" and msg.get("reply_to") == "final":
                     return msg["session"]
 
+        lags: list[float] = []
+
+        async def loop_lag():  # how late the event loop (server and client share it) wakes up
+            while True:
+                t = time.monotonic()
+                await asyncio.sleep(0.1)
+                lags.append(time.monotonic() - t - 0.1)
+
         task = asyncio.get_running_loop().create_task(reader())
+        lag_task = asyncio.get_running_loop().create_task(loop_lag())
         i, next_at, next_report = 0, start, start + 30
         while time.monotonic() < deadline:
             eid = f"a{i}"
@@ -107,7 +116,7 @@ async def feed(url: str, minutes: float, interval: float, thinking: bool, report
             if now >= next_report:
                 lat = [a for a, _ in acks[-200:]]
                 report(f"  {now - start:5.0f} s: {i} rows sent, {len(acks)} acked, ack p50 {pct(lat, .5) * 1000:.0f} ms, "
-                       f"flash pushes {len(staleness)}, RSS {rss_mb():.0f} MB")
+                       f"flash pushes {len(staleness)}, RSS {rss_mb():.0f} MB, loop lag max {max(lags, default=0):.2f} s")
                 next_report += 30
             next_at += interval
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
@@ -118,6 +127,7 @@ async def feed(url: str, minutes: float, interval: float, thinking: bool, report
         rss.append((time.monotonic() - start, rss_mb()))
         await ws.send(json.dumps({"type": "session.get", "event_id": "final", "session_id": sid}))
         state = await asyncio.wait_for(task, 120)
+        lag_task.cancel()
         return {"sid": sid, "acks": acks, "staleness": staleness, "stale": stale_events, "errors": errors,
                 "rss": rss, "state": state, "rows": i, "unacked": len(sent)}
 
@@ -152,7 +162,7 @@ async def bench(model: str, minutes: float, interval: float, weights: str = "aut
     runner = build_runner(model, weights=weights)
     report(f"model {runner.name}, weights {runner.weights.format}")
     engine = Engine(runner, EngineLimits(kv_budget_bytes=1 << 30)).start()
-    server = await StreamerServer(engine, ServerConfig(port=0)).start()
+    server = await StreamerServer(engine, ServerConfig(port=0, ping_interval=None)).start()
     url = f"ws://127.0.0.1:{server.port}"
     out = {}
     try:

@@ -85,6 +85,111 @@ class Pipe:
     closed: bool = False
 
 
+class LogWriter:
+    """Writing one session's records: at its next position, idempotent by (position, record id);
+    the in-memory copy a lost log is re-written from; settling a pending (failed) write."""
+
+    def __init__(self, store: Store, directory: Directory, relog_max_bytes: int, counters: dict) -> None:
+        self.store, self.directory, self.relog_max_bytes, self.counters = store, directory, relog_max_bytes, counters
+
+    async def write(self, sid: str, pipe: Pipe, data: dict, rid: str, client_seq: int | None = None) -> None:
+        """Write one record at the session's next position (idempotent by position and id)."""
+        n = pipe.next_n
+        try:
+            try:
+                await self.store.append(sid, data, n=n, rid=rid)
+            except StoreLost:
+                await self.relog(sid, pipe)
+                await self.store.append(sid, data, n=n, rid=rid)
+        except (StoreError, OSError, ConnectionError) as exc:
+            self.counters["log_errors"] += 1
+            log.error("could not log %s on session %s: %s", data.get("kind"), sid, exc)
+            if isinstance(exc, Conflict) and exc.holder is None:
+                raise unavailable(f"the log of session {sid} is not where this worker left it ({exc}); "
+                                  "close and recreate the session", recoverable=False) from None
+            raise unavailable(f"the change could not be logged ({exc}); it is not acknowledged: resend it") from None
+        pipe.next_n = n + 1
+        self.mirror(pipe, n, rid, {**data, "n": n})
+        self.counters["log_records"] += 1
+        self.directory.logged(sid, client_seq if client_seq is not None else data.get("client_seq"))
+
+    def mirror(self, pipe: Pipe, n: int, rid: str, record: dict) -> None:
+        if pipe.mirror is None:
+            return
+        size = sum(len(v) for v in record.values() if isinstance(v, str)) + 64
+        pipe.mirror_bytes += size
+        if pipe.mirror_bytes > self.relog_max_bytes:
+            pipe.mirror = None  # too big to keep: a store that loses this session cannot get it back
+            return
+        pipe.mirror.append((n, rid, record))
+
+    async def relog(self, sid: str, pipe: Pipe) -> None:
+        """The store lost the session: claim it again and write its log back from memory."""
+        if pipe.mirror is None:
+            raise unavailable(f"the store lost the log of session {sid} and its copy here is over "
+                              f"{self.relog_max_bytes} bytes; close and recreate the session", recoverable=False)
+        owner = await self.store.claim(sid)
+        if owner is not None:
+            raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
+        for n, rid, record in pipe.mirror:
+            await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
+        self.counters["relogged"] += 1
+        log.warning("the store lost session %s: re-claimed and re-wrote its %d records", sid, len(pipe.mirror))
+
+    async def settle(self, sid: str, pipe: Pipe) -> None:
+        """Resolve the pending record, if any (under the session's lock)."""
+        pending = pipe.pending
+        if pending is None:
+            return
+        if pending.applied:  # it must be in the log: write it again (a no-op if it landed)
+            await self.write(sid, pipe, pending.data, pending.rid)
+            pipe.pending = None
+            self.counters["log_settled"] += 1
+            return
+        try:  # not applied: fence its position with a void record, unless it landed
+            await self.write(sid, pipe, Void(ts=time.time(), rid_of=pending.rid).to_json(), _rid())
+            self.counters["log_fenced"] += 1
+        except EngineError as exc:
+            holder = await self.holder(sid, pending.n)
+            if holder != pending.rid:
+                raise exc
+            # it landed after all: the log holds it, so the session applies it now
+            pipe.next_n = pending.n + 1
+            self.mirror(pipe, pending.n, pending.rid, {**pending.data, "n": pending.n})
+            self.directory.logged(sid, pending.client_seq)
+            if pipe.resend_from is not None and pending.client_seq == pipe.resend_from:
+                pipe.resend_from = None
+            pending.apply()
+            self.counters["log_settled"] += 1
+        pipe.pending = None
+
+    async def holder(self, sid: str, n: int) -> str | None:
+        try:
+            record = await self.store.record_at(sid, n)
+        except (StoreError, OSError, ConnectionError):
+            return None
+        return record.get("rid") if record else None
+
+    def retry(self, sid: str, pipe: Pipe) -> None:
+        """Settle the pending record as soon as the store answers, even if no change comes."""
+        if pipe.retrying is not None and not pipe.retrying.done():
+            return
+
+        async def retry() -> None:
+            while not pipe.closed and pipe.pending is not None:
+                await asyncio.sleep(SETTLE_RETRY_S)
+                async with pipe.lock:
+                    try:
+                        await self.settle(sid, pipe)
+                    except EngineError as exc:
+                        if not exc.recoverable:
+                            return
+                        continue
+
+        pipe.retrying = asyncio.get_running_loop().create_task(retry())
+
+
+
 class EventLog:
     def __init__(self, store: Store, directory: Directory, relog_max_bytes: int = DEFAULT_RELOG_MAX_BYTES) -> None:
         self.store = store
@@ -93,6 +198,7 @@ class EventLog:
         self.pipes: dict[str, Pipe] = {}
         self.writes: set[asyncio.Task] = set()
         self.counters = {"log_records": 0, "log_errors": 0, "log_settled": 0, "log_fenced": 0, "relogged": 0}
+        self.writer = LogWriter(store, directory, relog_max_bytes, self.counters)
 
     def spawn(self, coro) -> asyncio.Task:
         """A change or store write owned by the log, not by a connection (it survives the client)."""
@@ -117,7 +223,7 @@ class EventLog:
         if pipe is None:
             pipe = self.pipes[session_id] = Pipe()
             for record in raw or ():
-                self._mirror(pipe, record.get("n") or pipe.next_n, record.get("rid") or _rid(), record)
+                self.writer.mirror(pipe, record.get("n") or pipe.next_n, record.get("rid") or _rid(), record)
                 pipe.next_n = max(pipe.next_n, (record.get("n") or 0) + 1)
         return pipe
 
@@ -150,7 +256,7 @@ class EventLog:
                 self.forget(session_id)
                 raise EngineError(f"session id {session_id!r} is in use on worker {owner}", code=Code.INVALID_FIELD)
             try:
-                await self._write(session_id, pipe, record.to_json(), _rid())
+                await self.writer.write(session_id, pipe, record.to_json(), _rid())
             except EngineError:
                 self.forget(session_id)
                 raise
@@ -164,8 +270,8 @@ class EventLog:
             pipe.next_n = await self.store.log_length(session_id) + 1
         try:
             async with pipe.lock:
-                await self._settle(session_id, pipe)
-                await self._write(session_id, pipe, record.to_json(), _rid())
+                await self.writer.settle(session_id, pipe)
+                await self.writer.write(session_id, pipe, record.to_json(), _rid())
         finally:
             self.forget(session_id)
 
@@ -286,16 +392,16 @@ class EventLog:
             record.ts = time.time()
             data = record.to_json()
             try:
-                await self._settle(sid, pipe)
+                await self.writer.settle(sid, pipe)
                 tracked = self.directory.get(sid)
                 if client_seq is not None and tracked is not None and client_seq <= tracked.acked_client_seq:
                     self.directory.duplicates += 1
                     return DUPLICATE  # the settled write was this input: it is in the log and applied
-                await self._write(sid, pipe, data, rid, client_seq)
+                await self.writer.write(sid, pipe, data, rid, client_seq)
             except EngineError as exc:
                 if pipe.pending is None and exc.recoverable:
                     pipe.pending = Pending(pipe.next_n, rid, data, False, apply, client_seq)
-                    self._retry(sid, pipe)
+                    self.writer.retry(sid, pipe)
                 self._broke(pipe, client_seq)
                 raise
             if client_seq is not None and pipe.resend_from == client_seq:
@@ -308,7 +414,7 @@ class EventLog:
                 if (refusal := self._refused(pipe, index, None)) is not None:
                     raise refusal
                 try:
-                    await self._settle(sid, pipe)
+                    await self.writer.settle(sid, pipe)
                 except EngineError:
                     self._broke(pipe, None)
                     raise
@@ -322,116 +428,17 @@ class EventLog:
             record.ts = time.time()
             data, rid = record.to_json(), _rid()
             try:
-                await self._write(sid, pipe, data, rid)
+                await self.writer.write(sid, pipe, data, rid)
             except EngineError as exc:
                 if pipe.pending is None and exc.recoverable:
                     pipe.pending = Pending(pipe.next_n, rid, data, True)
-                    self._retry(sid, pipe)
+                    self.writer.retry(sid, pipe)
                 self._broke(pipe, None)
                 failed = unavailable(f"the change was applied but is not logged yet ({exc.message}); it is logged "
                                      "before anything else of this session once the store answers")
                 failed.applied = (result,)
                 raise failed from None
             return result
-
-    # ---- writing ----------------------------------------------------------------------------
-
-    async def _write(self, sid: str, pipe: Pipe, data: dict, rid: str, client_seq: int | None = None) -> None:
-        """Write one record at the session's next position (idempotent by position and id)."""
-        n = pipe.next_n
-        try:
-            try:
-                await self.store.append(sid, data, n=n, rid=rid)
-            except StoreLost:
-                await self._relog(sid, pipe)
-                await self.store.append(sid, data, n=n, rid=rid)
-        except (StoreError, OSError, ConnectionError) as exc:
-            self.counters["log_errors"] += 1
-            log.error("could not log %s on session %s: %s", data.get("kind"), sid, exc)
-            if isinstance(exc, Conflict) and exc.holder is None:
-                raise unavailable(f"the log of session {sid} is not where this worker left it ({exc}); "
-                                  "close and recreate the session", recoverable=False) from None
-            raise unavailable(f"the change could not be logged ({exc}); it is not acknowledged: resend it") from None
-        pipe.next_n = n + 1
-        self._mirror(pipe, n, rid, {**data, "n": n})
-        self.counters["log_records"] += 1
-        self.directory.logged(sid, client_seq if client_seq is not None else data.get("client_seq"))
-
-    def _mirror(self, pipe: Pipe, n: int, rid: str, record: dict) -> None:
-        if pipe.mirror is None:
-            return
-        size = sum(len(v) for v in record.values() if isinstance(v, str)) + 64
-        pipe.mirror_bytes += size
-        if pipe.mirror_bytes > self.relog_max_bytes:
-            pipe.mirror = None  # too big to keep: a store that loses this session cannot get it back
-            return
-        pipe.mirror.append((n, rid, record))
-
-    async def _relog(self, sid: str, pipe: Pipe) -> None:
-        """The store lost the session: claim it again and write its log back from memory."""
-        if pipe.mirror is None:
-            raise unavailable(f"the store lost the log of session {sid} and its copy here is over "
-                              f"{self.relog_max_bytes} bytes; close and recreate the session", recoverable=False)
-        owner = await self.store.claim(sid)
-        if owner is not None:
-            raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
-        for n, rid, record in pipe.mirror:
-            await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
-        self.counters["relogged"] += 1
-        log.warning("the store lost session %s: re-claimed and re-wrote its %d records", sid, len(pipe.mirror))
-
-    async def _settle(self, sid: str, pipe: Pipe) -> None:
-        """Resolve the pending record, if any (under the session's lock)."""
-        pending = pipe.pending
-        if pending is None:
-            return
-        if pending.applied:  # it must be in the log: write it again (a no-op if it landed)
-            await self._write(sid, pipe, pending.data, pending.rid)
-            pipe.pending = None
-            self.counters["log_settled"] += 1
-            return
-        try:  # not applied: fence its position with a void record, unless it landed
-            await self._write(sid, pipe, Void(ts=time.time(), rid_of=pending.rid).to_json(), _rid())
-            self.counters["log_fenced"] += 1
-        except EngineError as exc:
-            holder = await self._holder(sid, pending.n)
-            if holder != pending.rid:
-                raise exc
-            # it landed after all: the log holds it, so the session applies it now
-            pipe.next_n = pending.n + 1
-            self._mirror(pipe, pending.n, pending.rid, {**pending.data, "n": pending.n})
-            self.directory.logged(sid, pending.client_seq)
-            if pipe.resend_from is not None and pending.client_seq == pipe.resend_from:
-                pipe.resend_from = None
-            pending.apply()
-            self.counters["log_settled"] += 1
-        pipe.pending = None
-
-    async def _holder(self, sid: str, n: int) -> str | None:
-        try:
-            record = await self.store.record_at(sid, n)
-        except (StoreError, OSError, ConnectionError):
-            return None
-        return record.get("rid") if record else None
-
-    def _retry(self, sid: str, pipe: Pipe) -> None:
-        """Settle the pending record as soon as the store answers, even if no change comes."""
-        if pipe.retrying is not None and not pipe.retrying.done():
-            return
-
-        async def retry() -> None:
-            while not pipe.closed and pipe.pending is not None:
-                await asyncio.sleep(SETTLE_RETRY_S)
-                async with pipe.lock:
-                    try:
-                        await self._settle(sid, pipe)
-                    except EngineError as exc:
-                        if not exc.recoverable:
-                            return
-                        continue
-
-        pipe.retrying = asyncio.get_running_loop().create_task(retry())
-
 
 def _rid() -> str:
     return secrets.token_hex(8)

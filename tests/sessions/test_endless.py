@@ -7,6 +7,7 @@ import random
 import pytest
 from helpers import Sync, driven, result
 
+from streamer.sessions.models import build_tiny_model
 from streamer.sessions.runner import ModelRunner
 
 STATIONS = ["north", "harbour", "airport", "hill", "valley"]
@@ -72,9 +73,13 @@ def check_endless(engine, sid, acks, samples, rows):
     assert session.staleness.count >= 2
 
 
-def test_a_plain_session_takes_50000_rows_with_bounded_memory(tiny):
-    runner, _ = tiny
+def test_a_plain_session_takes_50000_rows_with_bounded_memory(tokenizer):
+    # the tiny model with the embedded model's 8K positions: the default window is 4096 tokens,
+    # as on the embedded model
+    lm = build_tiny_model(tokenizer, seed=11, max_positions=8192)
+    runner = ModelRunner(lm.model, tokenizer, lm.name)
     engine, sid, acks, samples = run_feed(runner, 50_000, 500, step_tokens=2048)
+    assert engine.core.session_state(sid)["window"]["max_tokens"] == 4096
     check_endless(engine, sid, acks, samples, 50_000)
 
 
