@@ -5,7 +5,10 @@ Files are read with PyAV (the `media` extra). Video is remuxed, without re-encod
 fragmented MP4 (WebM and MPEG-TS files are sent as they are), so any file streams without the
 server ever seeking; audio is decoded to 16-bit PCM at its own rate. `--realtime` paces the
 pieces by their media time, like a live source (the server then drops stale frames when it
-is behind); otherwise they go as fast as the server takes them, and it drops nothing.
+is behind); otherwise they go as fast as the server takes them, and it drops nothing. Paced,
+the remux writes one fragment per frame and sends each when its frame is due: fragments cut at
+keyframes held a whole group of pictures back and sent it at once, late, as a burst the
+server's newest-frame-wins slot mostly dropped (a cut at 7.0 s seen at 9.5 s).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _av():
     return av
 
 
-def file_pieces(path: Path, piece_bytes: int) -> Iterator[tuple[str, str, bytes, float, dict]]:
+def file_pieces(path: Path, piece_bytes: int, live: bool = False) -> Iterator[tuple[str, str, bytes, float, dict]]:
     suffix = path.suffix.lower()
     if suffix in IMAGE_SUFFIXES:
         yield "image", IMAGE_SUFFIXES[suffix], path.read_bytes(), 0.0, {}
@@ -72,7 +75,7 @@ def file_pieces(path: Path, piece_bytes: int) -> Iterator[tuple[str, str, bytes,
         if suffix in PASSTHROUGH:
             yield from _raw_pieces(path, PASSTHROUGH[suffix], piece_bytes, duration)
         else:
-            yield from _remux_fmp4(path, piece_bytes)
+            yield from _remux_fmp4(path, piece_bytes, live)
     elif has_audio:
         yield from _pcm_pieces(av.open(str(path)), 0.5)
     else:
@@ -143,13 +146,18 @@ class _Collector:
         return out
 
 
-def _remux_fmp4(path: Path, piece_bytes: int):
-    """Remux the first video track into fragmented MP4 (no re-encoding) as it is read."""
+def _remux_fmp4(path: Path, piece_bytes: int, live: bool = False):
+    """Remux the first video track into fragmented MP4 (no re-encoding) as it is read. Each
+    piece's media time is the latest pts muxed so far, so a paced piece never goes before its
+    frames could have been captured. `live`: a fragment per frame (the muxer writes one when
+    the next frame comes), so every frame goes when it is due; otherwise a fragment per
+    keyframe (fewer, larger pieces)."""
     av = _av()
     sink = _Collector()
     with av.open(str(path)) as src:
         vin = src.streams.video[0]
-        out = av.open(sink, "w", format="mp4", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        cut = "frag_every_frame" if live else "frag_keyframe"
+        out = av.open(sink, "w", format="mp4", options={"movflags": f"{cut}+empty_moov+default_base_moof"})
         vout = out.add_stream_from_template(vin)
         t = 0.0
         for packet in src.demux(vin):
@@ -238,8 +246,8 @@ async def stream_media(args: argparse.Namespace) -> int:
     else:
         path = Path(args.source)
         probe(path)  # before connecting: a file the service cannot read costs no session
-        pieces = file_pieces(path, args.piece_bytes)
         live = args.realtime
+        pieces = file_pieces(path, args.piece_bytes, live)
     async with await StreamerClient.connect(args.url) as client:
         window = {"max_tokens": args.window} if args.window else None
         session = await client.create_session(window=window)
