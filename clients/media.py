@@ -8,7 +8,8 @@ pieces by their media time, like a live source (the server then drops stale fram
 is behind); otherwise they go as fast as the server takes them, and it drops nothing. Paced,
 the remux writes one fragment per frame and sends each when its frame is due: fragments cut at
 keyframes held a whole group of pictures back and sent it at once, late, as a burst the
-server's newest-frame-wins slot mostly dropped (a cut at 7.0 s seen at 9.5 s).
+server's newest-frame-wins slot mostly dropped (a cut at 7.0 s seen at 9.5 s). WebM and
+MPEG-TS files paced are cut where their video packets start, for the same reason.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def file_pieces(path: Path, piece_bytes: int, live: bool = False) -> Iterator[tu
         duration = float(probe.duration / 1e6) if probe.duration else 0.0
     if has_video:
         if suffix in PASSTHROUGH:
-            yield from _raw_pieces(path, PASSTHROUGH[suffix], piece_bytes, duration)
+            if live:
+                yield from _paced_raw_pieces(path, PASSTHROUGH[suffix], piece_bytes)
+            else:
+                yield from _raw_pieces(path, PASSTHROUGH[suffix], piece_bytes, duration)
         else:
             yield from _remux_fmp4(path, piece_bytes, live)
     elif has_audio:
@@ -129,6 +133,29 @@ def _raw_pieces(path: Path, fmt: str, piece_bytes: int, duration: float):
         while piece := f.read(piece_bytes):
             sent += len(piece)
             yield "video", fmt, piece, duration * (sent - len(piece)) / max(size, 1), {}
+
+
+def _paced_raw_pieces(path: Path, fmt: str, piece_bytes: int):
+    """A streamable container sent as is, for pacing: cut where each video packet starts, so a
+    piece holds the packets before that point whole and goes at their latest media time (bytes
+    spread evenly over time sent a low-rate file's frames early, many per piece, in bursts)."""
+    av = _av()
+    with av.open(str(path)) as container, path.open("rb") as f:
+        sent, first, t = 0, None, 0.0
+        for packet in container.demux(container.streams.video[0]):
+            if packet.pos is not None and packet.pos > sent:
+                yield from _cut(fmt, f.read(packet.pos - sent), piece_bytes, t)
+                sent = packet.pos
+            if packet.pts is not None and packet.time_base is not None:
+                pts = float(packet.pts * packet.time_base)
+                first = pts if first is None else first
+                t = max(t, pts - first)
+        yield from _cut(fmt, f.read(), piece_bytes, t)
+
+
+def _cut(fmt: str, data: bytes, piece_bytes: int, t: float):
+    for i in range(0, len(data), piece_bytes):
+        yield "video", fmt, data[i:i + piece_bytes], t, {}
 
 
 class _Collector:

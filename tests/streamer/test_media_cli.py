@@ -13,7 +13,7 @@ pytest.importorskip("av")
 
 from wsutil import serve  # noqa: E402
 
-from videogen import SCENES, encode_image, scene_frame  # noqa: E402
+from videogen import SCENES, encode_image, encode_video, scene_frame  # noqa: E402
 
 
 def plain_mp4(path: Path, seconds: float = 6.0, fps: int = 10, scenes=SCENES) -> None:
@@ -97,6 +97,26 @@ def test_cli_realtime_keeps_every_sampled_frame_and_the_cut_time(media_engine, t
     cuts = [e["start_s"] for e in observations if "scene_cut" in (e["events"] or [])]
     assert len(cuts) == 1 and abs(cuts[0] - 3.0) <= 0.5, cuts
     assert [e["start_s"] for e in observations] == sorted(e["start_s"] for e in observations)
+
+
+@pytest.mark.parametrize("fmt,suffix", [("mpegts", ".ts"), ("webm", ".webm")])
+def test_cli_realtime_paces_webm_and_mpegts_by_their_packets(media_engine, tmp_path, fmt, suffix):
+    """Files sent as they are: paced pieces are cut where video packets start, so a small file's
+    frames do not go a few seconds of them per piece, ahead of time, in bursts (8-10 of the 12
+    sampled frames were dropped and the cut was seen at 4.5 or 5.5 s)."""
+    path = tmp_path / f"cut{suffix}"
+    path.write_bytes(encode_video(fmt, seconds=6.0, fps=10, scenes=[(0.0, (200, 30, 30)), (3.0, (40, 170, 60))]))
+    assert path.stat().st_size < 2 * 32 * 1024  # at most two default pieces of bytes
+
+    async def test(url, server):
+        return await asyncio.get_running_loop().run_in_executor(None, run_cli, url, str(path), "--realtime")
+
+    events = serve(media_engine, test)
+    video = next(e for e in events if e["event"] == "done")["media"]["video"]
+    assert video["decoded"] == 60 and video["errors"] == 0
+    assert video["sampled"] == 12 and video["dropped"] == 0 and video["encoded"] == 12
+    cuts = [e["start_s"] for e in events if e["event"] == "observation" and "scene_cut" in (e["events"] or [])]
+    assert len(cuts) == 1 and abs(cuts[0] - 3.0) <= 0.5, cuts
 
 
 def test_cli_streams_an_image(media_engine, tmp_path):
