@@ -1,8 +1,9 @@
 """Live pacing of the describer path: does `streamer client media clip.mp4 --realtime` keep every
 sampled frame, and are scene cuts reported at their media time?
 
-A 10 s clip (25 fps, x264 defaults: B-frames and one keyframe, at the start) with cuts at 4.0 s
-and 7.0 s, written as an ordinary MP4, is streamed through the real CLI (in this process) to a
+A 10 s clip (25 fps, x264 defaults: B-frames; keyframes at the start and at the cuts, as an
+encoder puts them, or with --one-keyframe only at the start) with cuts at 4.0 s and 7.0 s,
+written as an ordinary MP4, is streamed through the real CLI (in this process) to a
 real websocket server on the embedded model (SmolLM2 + the frame describer), three ways side by
 side: as fast as the server takes it (the baseline: nothing may drop there), and paced by media
 time (`--realtime`) with the server sampling at 2 and at 10 frames per second of media time.
@@ -11,7 +12,7 @@ and the cut-time error: the largest distance between a true cut and the nearest 
 (a missed cut counts as the clip's length). The target: 0 dropped at 2 fps and an error within
 one sample interval (0.5 s).
 
-Run: python bench/video_pacing.py [--seconds 10] [--cuts 4,7] [--threads 1]
+Run: python bench/video_pacing.py [--seconds 10] [--cuts 4,7] [--threads 1] [--one-keyframe]
 The last line is `RESULT drop_2fps=<n> drop_10fps=<n> cut_error_s=<x>` (the error at 2 fps).
 """
 
@@ -41,8 +42,11 @@ from videogen import scene_frame  # noqa: E402
 COLOURS = [(200, 30, 30), (30, 60, 200), (40, 170, 60), (220, 200, 40), (150, 40, 160)]
 
 
-def write_clip(path: Path, seconds: float, cuts: list[float], fps: int = 25) -> None:
+def write_clip(path: Path, seconds: float, cuts: list[float], fps: int = 25, keyframes_at_cuts: bool = True) -> None:
+    """x264's defaults (B-frames); a keyframe at the start and, as a camera's or an editor's
+    encoder puts them, at each cut (`keyframes_at_cuts`; else the start's only)."""
     import av
+    from av.video.frame import PictureType
 
     scenes = [(start, COLOURS[i % len(COLOURS)]) for i, start in enumerate([0.0, *cuts])]
     with av.open(str(path), "w") as out:
@@ -51,6 +55,8 @@ def write_clip(path: Path, seconds: float, cuts: list[float], fps: int = 25) -> 
         for i in range(int(seconds * fps)):
             frame = av.VideoFrame.from_ndarray(scene_frame(i / fps, scenes), format="rgb24")
             frame.pts = i
+            if keyframes_at_cuts and any(abs(i / fps - c) < 0.5 / fps for c in cuts):
+                frame.pict_type = PictureType.I
             for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode(None):
@@ -91,6 +97,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--cuts", default="4,7", help="scene cut times in seconds (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--one-keyframe", action="store_true", help="no keyframes at the cuts: one at the start")
     args = parser.parse_args()
     cuts = [float(c) for c in args.cuts.split(",") if c]
 
@@ -100,7 +107,7 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "clip.mp4"
-        write_clip(path, args.seconds, cuts)
+        write_clip(path, args.seconds, cuts, keyframes_at_cuts=not args.one_keyframe)
         try:
             for name, fps, realtime in (("as fast as taken, 2 fps", 2.0, False), ("--realtime, 2 fps", 2.0, True),
                                         ("--realtime, 10 fps", 10.0, True)):
@@ -108,7 +115,8 @@ def main() -> None:
                 r["error"] = cut_error(cuts, r["cuts"], args.seconds)
         finally:
             engine.stop()
-    print(f"clip: {args.seconds:.0f} s, 128x96 at 25 fps (x264 defaults, one keyframe), cuts at "
+    keys = "one keyframe" if args.one_keyframe else "keyframes at the start and the cuts"
+    print(f"clip: {args.seconds:.0f} s, 128x96 at 25 fps (x264 defaults, {keys}), cuts at "
           f"{', '.join(f'{c:.1f}' for c in cuts)} s; embedded SmolLM2 + frame describer over a real websocket")
     for name, r in runs.items():
         v = r["video"]
