@@ -166,10 +166,8 @@ class VideoIngest:
             if not live:
                 self.wait_idle()
             self.slot.put(frame)
-            if not live:
-                self._pump()
+            self._pump()  # an idle encoder takes each frame now: only a busy one lets the next replace it
         self.stats.dropped = self.slot.dropped
-        self._pump()
 
     # ---- encoding (one frame at a time, on whichever thread finds the encoder free) ------------
 

@@ -27,10 +27,12 @@ from .errors import MediaDecodeError, MediaError, MediaTooLarge, UnsupportedMedi
 
 # Wire format -> FFmpeg demuxer name.
 CONTAINERS = {"mp4": "mp4", "webm": "matroska", "mpegts": "mpegts"}
-# Browsers' MediaRecorder WebM states no frame rate, so FFmpeg's stream probe held every frame
-# back until it had estimated one (about 4 s of a live camera, then a burst that newest-frame-wins
-# dropped). Timestamps, not a rate, drive sampling here: skip that estimate.
-OPEN_OPTIONS = {"webm": {"fpsprobesize": "0"}}
+# A stream that states no frame rate (browsers' MediaRecorder WebM; fragmented MP4, whose empty
+# moov has no sample table) made FFmpeg's stream probe hold every frame back until it had
+# estimated one (20 frames: about 4 s of a live camera, 0.8 s of a 25 fps file sent live), then
+# let them out in a burst that newest-frame-wins dropped. Timestamps, not a rate, drive
+# sampling here: skip that estimate for every container.
+OPEN_OPTIONS = {fmt: {"fpsprobesize": "0"} for fmt in ("mp4", "webm", "mpegts")}
 IMAGE_CODECS = {"jpeg": "mjpeg", "png": "png"}
 
 
