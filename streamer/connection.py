@@ -63,15 +63,24 @@ class LenientConnection(ServerConnection):
 class TokenBucket:
     """A sustained rate with a burst allowance."""
 
-    __slots__ = ("rate", "burst", "level", "stamp")
+    __slots__ = ("rate", "burst", "level", "stamp", "extra")
 
     def __init__(self, rate: float, burst: float) -> None:
         self.rate, self.burst, self.level, self.stamp = rate, burst, float(burst), time.monotonic()
+        self.extra = 0.0  # credit beyond the burst: what arrived at the allowed rate while we did not read
+
+    def credit(self, seconds: float) -> None:
+        """The server paused reading for `seconds` (backpressure): frames that arrived meanwhile
+        at up to the allowed rate are not a burst when they are read back to back."""
+        self.extra = min(self.extra + seconds * self.rate, 60 * self.rate)
 
     def take(self, amount: float = 1.0) -> bool:
         now = time.monotonic()
         self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
+        if self.level < amount and self.extra >= amount:
+            self.extra -= amount
+            return True
         if self.level < amount:
             return False
         self.level -= amount
@@ -95,6 +104,7 @@ class Connection:
         self.shutting_down = shutting_down
         self.inflight = 0
         self.reading = asyncio.Event()  # cleared while backpressure pauses reading
+        self.paused_at: float | None = None
         self.reading.set()
         self.messages = TokenBucket(cfg.messages_per_s, cfg.messages_burst)
         self.bytes_in = TokenBucket(cfg.bytes_per_s, max(cfg.bytes_burst, cfg.max_frame_bytes))
@@ -117,8 +127,14 @@ class Connection:
         if self.outbox.congested or self.inflight > cfg.max_inflight:
             if self.reading.is_set():
                 self.svc.edge["backpressure_pauses"] += 1
+                self.paused_at = time.monotonic()
             self.reading.clear()
         elif self.inflight <= cfg.max_inflight // 2:
+            if not self.reading.is_set() and self.paused_at is not None:
+                paused = time.monotonic() - self.paused_at  # what queued in the socket meanwhile is no flood
+                self.messages.credit(paused)
+                self.bytes_in.credit(paused)
+                self.paused_at = None
             self.reading.set()
 
     async def watchdog(self) -> None:

@@ -353,3 +353,17 @@ def test_handshake_timeout_and_dead_peer_keepalive(limited_engine):
         await survives(others)
 
     serve(limited_engine, test, open_timeout_s=0.5, ping_interval=0.3, ping_timeout=0.3)
+
+
+def test_frames_queued_during_a_backpressure_pause_are_no_burst():
+    """While the server pauses reading (its own backpressure), a producer's frames queue in the
+    socket at the allowed rate; read back to back after the pause they must not trip the rate
+    limit (and then the flood guard) as if they were a burst."""
+    from streamer.connection import TokenBucket
+
+    bucket = TokenBucket(rate=5, burst=5)
+    assert all(bucket.take() for _ in range(5)) and not bucket.take()
+    bucket.credit(2.0)  # paused for 2 s: up to 10 frames arrived at the allowed rate
+    assert all(bucket.take() for _ in range(10)) and not bucket.take()
+    bucket.credit(1e6)  # the credit is capped (a minute at the rate)
+    assert sum(bucket.take() for _ in range(400)) == 300
