@@ -173,6 +173,8 @@ async def bench(model: str, minutes: float, interval: float, weights: str = "aut
             run["reprefill_ms"], run["kept_tokens"] = await asyncio.to_thread(reprefill_ms, engine, run["sid"])
             hist = engine.metrics()["flash_staleness"].get(run["sid"])
             run["server_evaluations"] = hist[1] if hist else 0
+            # a backlog the engine did not catch up with must not run into the next phase
+            await asyncio.wrap_future(engine.close_session(run["sid"]))
             out[name] = run
     finally:
         await server.stop()
