@@ -52,7 +52,7 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def feed(url: str, minutes: float, interval: float, thinking: bool, report) -> dict:
+async def feed(url: str, minutes: float, interval: float, thinking: bool, report, engine) -> dict:
     import websockets
 
     rnd = random.Random(1)
@@ -90,8 +90,6 @@ async def feed(url: str, minutes: float, interval: float, thinking: bool, report
                     stale_events.append(msg)
                 elif kind == "error":
                     errors.append(msg)
-                if kind == "state" and msg.get("reply_to") == "final":
-                    return msg["session"]
 
         lags: list[float] = []
 
@@ -125,8 +123,10 @@ async def feed(url: str, minutes: float, interval: float, thinking: bool, report
                 break
             await asyncio.sleep(0.1)
         rss.append((time.monotonic() - start, rss_mb()))
-        await ws.send(json.dumps({"type": "session.get", "event_id": "final", "session_id": sid}))
-        state = await asyncio.wait_for(task, 120)
+        # read the state from the engine itself: a session.get on this connection would wait
+        # behind whatever backlog backpressure holds in the socket
+        state = await asyncio.wrap_future(engine.session_state(sid))
+        task.cancel()
         lag_task.cancel()
         return {"sid": sid, "acks": acks, "staleness": staleness, "stale": stale_events, "errors": errors,
                 "rss": rss, "state": state, "rows": i, "unacked": len(sent)}
@@ -169,13 +169,13 @@ async def bench(model: str, minutes: float, interval: float, weights: str = "aut
         for name, thinking in (("plain", False), ("dual", True)):
             report(f"{name}: {minutes:g} min, one row every {interval:g} s, 2 flash questions"
                    + (", dual thinking" if thinking else ""))
-            run = await feed(url, minutes, interval, thinking, report)
+            run = await feed(url, minutes, interval, thinking, report, engine)
             run["reprefill_ms"], run["kept_tokens"] = await asyncio.to_thread(reprefill_ms, engine, run["sid"])
             hist = engine.metrics()["flash_staleness"].get(run["sid"])
             run["server_evaluations"] = hist[1] if hist else 0
             # a backlog the engine did not catch up with must not run into the next phase
             await asyncio.wrap_future(engine.close_session(run["sid"]))
-            out[name] = run
+            out[name] = summarize(name, run, report)
     finally:
         await server.stop()
         engine.stop()
@@ -214,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between rows (default: %(default)s)")
     parser.add_argument("--weights", default="auto", help="auto|fp32|bf16|int8|int4 (default: %(default)s)")
     args = parser.parse_args(argv)
-    runs = asyncio.run(bench(args.model, args.minutes, args.interval, args.weights))
-    results = {name: summarize(name, run) for name, run in runs.items()}
+    results = asyncio.run(bench(args.model, args.minutes, args.interval, args.weights))
     slide = statistics.median([r["reprefill_ms"] / r["slide_ms"] for r in results.values() if r["slides"]] or [0])
     ack = max(r["ack_p99_slide_ms"] / r["ack_p99_plain_ms"] for r in results.values())
     stale = results["plain"]["staleness_p50_s"]
