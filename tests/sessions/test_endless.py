@@ -73,6 +73,7 @@ def check_endless(engine, sid, acks, samples, rows):
     assert session.staleness.count >= 2
 
 
+@pytest.mark.timeout(1800)  # minutes on a quiet machine; far more when the machine is shared
 def test_a_plain_session_takes_50000_rows_with_bounded_memory(tokenizer):
     # the tiny model with the embedded model's 8K positions: the default window is 4096 tokens,
     # as on the embedded model
@@ -84,6 +85,7 @@ def test_a_plain_session_takes_50000_rows_with_bounded_memory(tokenizer):
 
 
 @pytest.mark.embedded
+@pytest.mark.timeout(1800)
 def test_the_embedded_model_takes_2000_rows_in_a_bounded_session(embedded):
     runner = ModelRunner(embedded.model, embedded.tokenizer, embedded.name)
     engine, sid, acks, samples = run_feed(runner, 2000, 100, step_tokens=2048)
