@@ -252,20 +252,22 @@ class ThinkJob(Job):
             else:
                 self.session.check_room(need, "reasoning")
             return
+        gap_start, gap = None, 0
         while state.cache.length + need > state.cache.max_tokens and len(state.units) > 1:
             victim = state.units.pop(1)
             width = victim.end - victim.start
+            gap_start = victim.start if gap_start is None else gap_start
             state.cache.remove(victim.start, victim.end)
-            # the later notes move down into the gap, keys turned by its width: positions stay
-            # bounded by the reading window plus the thinking cache, however long it runs
-            rotate_keys(state.cache, victim.start, state.cache.length - victim.start, -width,
-                        self.session.runner.inv_freq)
             for u in state.units[1:]:
                 u.start -= width
                 u.end -= width
                 u.positions = (u.positions[0] - width, u.positions[1] - width)
             state.last_position -= width
             state.dropped_units += 1
+            gap += width
+        if gap:  # the later notes moved down into the gap: turn their keys once by its whole width, so
+            # positions stay bounded by the reading window plus the thinking cache, however long it runs
+            rotate_keys(state.cache, gap_start, state.cache.length - gap_start, -gap, self.session.runner.inv_freq)
         if state.cache.length + need > state.cache.max_tokens:
             raise InvalidRequest(f"thinking cache of {state.cache.max_tokens} tokens cannot hold a unit of {need}")
 

@@ -31,7 +31,7 @@ eviction: it runs inside its own job's step, in a few milliseconds.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import ContextOverflow, InvalidRequest
 from .jobs import Job
@@ -104,12 +104,11 @@ def set_window(session: Session, max_tokens: int, keep_tokens: int = 0, sink_inp
         raise InvalidRequest(f"window max_tokens {max_tokens} must be in [{floor}, {session.context_window}] "
                              f"(prefix {len(session.prefix_ids)} tokens + room, at most the context window)",
                              param="max_tokens")
-    window = TextWindow(max_tokens, keep_tokens, sink_inputs, default)
-    if session.window is not None:  # counters carry over a resize
-        old = session.window
-        window.slides, window.dropped_inputs, window.dropped_tokens = old.slides, old.dropped_inputs, old.dropped_tokens
-        window.moved_tokens, window.slide_ms_total, window.evicted = old.moved_tokens, old.slide_ms_total, old.evicted
-        window.last_evicted_seq = old.last_evicted_seq
+    if session.window is None:
+        window = TextWindow(max_tokens, keep_tokens, sink_inputs, default)
+    else:  # a resize: the counters (and evictions not yet reported) carry over
+        window = replace(session.window, max_tokens=max_tokens, keep_tokens=keep_tokens, sink_inputs=sink_inputs,
+                         default=default)
     session.window = window
     return window
 
