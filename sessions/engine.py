@@ -33,7 +33,7 @@ from .errors import Code, EngineError, EngineStopped, InvalidRequest, SessionNot
 from .futures import chain, settle
 from .jobs import Job, Lanes
 from .memory import Memory
-from .query import QueryHandle, query
+from .query import QueryHandle, end_queries, query
 from .runner import ModelRunner, SeqStep
 from .sampling import SamplingParams, stop_token_ids
 from .scheduler import Scheduler, StepPlan
@@ -374,6 +374,7 @@ class Engine:
     configure_window = _command(window.configure)
     ensure_window = _command(window.ensure)
     configure_thinking = _command(thinking.configure_command)
+    end_queries = _command(end_queries)
     register_flash = _command(flash.register)
     unregister_flash = _command(flash.unregister)
     add_rule = _command(actions.add_rule)

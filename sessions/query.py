@@ -214,9 +214,21 @@ class QueryJob(Job):
     def finish(self, core, exc: BaseException | None = None) -> None:
         if exc is None:
             core.stats.queries += 1
-        if not self.session.closed:
+        if not self.session.closed and self.base is not None:  # it began: its fork may hold blocks
             self.session.cache.trim()  # the fork's blocks go back to the pool
         super().finish(core, exc)
+
+
+def end_queries(core, reason: str = "shutdown") -> int:
+    """Every question still running or queued ends now, between steps, with `finish_reason`
+    `reason` and the text it has so far: the server's shutdown gives each its final `query.done`
+    instead of cutting it. The sessions are unchanged (a question never commits). Returns how many."""
+    ended = [job for queue in core.lanes.fifo.values() for job in queue if job.kind == "query" and not job.done]
+    for job in ended:
+        job._finish(reason)
+        core.lanes.remove(job)
+        job.finish(core)
+    return len(ended)
 
 
 def query(core, session_id: str, question: str, params: SamplingParams | None = None,

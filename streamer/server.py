@@ -188,16 +188,42 @@ class StreamerServer:
             self._server.close(close_connections=False)  # stop listening; keep the open ones
         deadline = time.monotonic() + grace_s
         pending = sum(c.inflight for c in self.connections)
+        # Connections with nothing in flight and nothing left to send close at once, not at the
+        # end of the grace period (nothing of theirs can finish: new commands are refused).
+        idle = [c for c in self.connections if not c.inflight and not c.outbox.bytes]
+        await asyncio.gather(*(asyncio.wait_for(c.ws.close(1001, "server shutting down"), 2.0) for c in idle),
+                             return_exceptions=True)
         while any(c.inflight for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        answers = await self._end_answers()
         unfinished = sum(c.shutdown_replies() for c in self.connections)  # a final event for each
         flushed = max(deadline, time.monotonic() + 1.0)
         while any(c.outbox.bytes for c in self.connections) and time.monotonic() < flushed:
             await asyncio.sleep(0.02)  # let the writers deliver the last replies
-        closing = [asyncio.wait_for(c.ws.close(1001, "server shutting down"), 2.0) for c in list(self.connections)]
+        closing = [asyncio.wait_for(c.ws.close(1001, "server shutting down"), 2.0)
+                   for c in list(self.connections) if c not in idle]
         await asyncio.gather(*closing, return_exceptions=True)
         await self.stop()
-        return {"connections": len(closing), "in_flight": pending, "unfinished": unfinished}
+        return {"connections": len(closing) + len(idle), "in_flight": pending, "answers_ended": answers, "unfinished": unfinished}
+
+    async def _end_answers(self) -> int:
+        """The grace period is over: every answer still running or queued ends now with
+        `finish_reason: "shutdown"` and the text it has; wait (briefly) for those `query.done`
+        events to be queued to their clients. Returns how many answers were ended."""
+        def asking() -> bool:
+            return any(cmd.type == "query.create" for c in self.connections for cmd in c.unfinished.values())
+
+        if not asking():
+            return 0
+        try:
+            ended = await asyncio.wait_for(asyncio.wrap_future(self.engine.end_queries("shutdown")), 5.0)
+        except Exception as exc:  # a stopped or stuck engine: the answers get `shutting_down` instead
+            log.warning("ending the running answers at shutdown: %r", exc)
+            return 0
+        settled = time.monotonic() + 2.0
+        while asking() and time.monotonic() < settled:
+            await asyncio.sleep(0.02)
+        return ended
 
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, self.services, self.api_key_name(ws), self._media_for,
@@ -302,7 +328,7 @@ async def run_server(engine: Engine, config: ServerConfig,
                  len(server.connections), config.shutdown_grace_s)
         done = await server.shutdown()
         log.info("shut down: %(connections)d connections closed, %(in_flight)d requests in flight, "
-                 "%(unfinished)d unfinished", done)
+                 "%(answers_ended)d answers ended early, %(unfinished)d unfinished", done)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
