@@ -64,6 +64,7 @@ class EngineLimits:
     park_idle_s: float = 1.0  # a session idle this long may be parked to free blocks
     park_to_disk: bool = False  # park to files under the cache directory instead of host memory
     aging_s: float = 2.0  # a job waiting this long is scheduled one priority class higher (no starvation)
+    share_half_life_s: float = 2.0  # fair share: recent tokens per owner and session halve this often
     attention_backend: str | None = None  # auto | reference | triton; None: $STREAMER_ATTENTION_BACKEND, else auto
 
 
@@ -102,7 +103,8 @@ class EngineCore:
         self.lanes = Lanes()
         self.memory = Memory(runner.kv_shape, self.limits, self.stats,
                              lambda: [s for sid, s in self.sessions.items() if not self.lanes.busy(sid)])
-        self.scheduler = Scheduler(self.limits.step_tokens, self.limits.query_step_tokens, self.limits.aging_s)
+        self.scheduler = Scheduler(self.limits.step_tokens, self.limits.query_step_tokens, self.limits.aging_s,
+                                   self.limits.share_half_life_s)
 
     @property
     def context_window(self) -> int:
@@ -122,6 +124,7 @@ class EngineCore:
     def submit(self, job: Job) -> Future:
         """Queue a job in its lane; the future resolves with its result when it finishes."""
         job.future = Future()
+        job.submitted_step = self.stats.steps
         self.lanes.submit(job)
         return job.future
 
@@ -180,7 +183,8 @@ class EngineCore:
                 self._finish(job, exc)
                 dropped.add(id(job))
                 continue
-            job.session.last_active = job.waiting_since = time.monotonic()
+            job.session.last_active = job.waiting_since = now = time.monotonic()
+            self.scheduler.charge(job, sum(step.n for step in steps), now)
             if steps:
                 batch.append((job, steps))
             elif job.done:
@@ -202,8 +206,9 @@ class EngineCore:
         s.step_tokens += sum(step.n for step in steps)
         s.step_sequences += len(steps)
         s.step_seconds += time.perf_counter() - started
-        rows = iter(logits)
+        rows, tokens = iter(logits), sum(step.n for step in steps)
         for job, job_steps in batch:
+            job.stepped(s.steps, tokens)
             try:
                 job.complete_many([next(rows) for _ in job_steps])
             except Exception as exc:
@@ -235,21 +240,24 @@ class EngineCore:
 
     def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
                        flash: list[dict] | None = None, thinking: dict | None = None,
-                       window: dict | None | str = "default"):
+                       window: dict | None | str = "default", owner: str | None = None):
         """Resolves to the new session's state once its system prompt is in the cache. `flash`
         lists questions to register (keyword arguments of `flash.register`); if one is refused,
         no session is created. `window`: "default" (the documented bound, `window.default_size`),
-        the window's settings (`window.configure` keywords), or None for an unbounded session."""
+        the window's settings (`window.configure` keywords), or None for an unbounded session.
+        `owner`: whose session it is for the scheduler's fair share (the API key, else the
+        client); by default the session is its own owner."""
         if len(self.sessions) >= self.limits.max_sessions:
             raise EngineError(f"session limit reached ({self.limits.max_sessions} sessions)",
                               code=Code.TOO_MANY_SESSIONS)
         sid = session_id or secrets.token_hex(12)
         if sid in self.sessions:
             raise InvalidRequest(f"session id {sid!r} is already in use")
-        return self.memory.admit(lambda: self._open_session(sid, system_prompt, flash, thinking, window))
+        return self.memory.admit(lambda: self._open_session(sid, system_prompt, flash, thinking, window, owner))
 
     def _open_session(self, sid: str, system_prompt: str | None, flash_items: list[dict] | None,
-                      thinking_settings: dict | None, window_settings: dict | None | str = "default") -> Future | dict:
+                      thinking_settings: dict | None, window_settings: dict | None | str = "default",
+                      owner: str | None = None) -> Future | dict:
         """Build the session (its shared prefix may need blocks: OutOfBlocks propagates) and
         queue the prefill of its framing; resolves to its state."""
         if sid in self.sessions:  # checked again: it may have waited in the admission queue
@@ -258,6 +266,7 @@ class EngineCore:
             raise EngineError(f"session limit reached ({self.limits.max_sessions} sessions)", code=Code.TOO_MANY_SESSIONS)
         session = Session(sid, self.runner, system_prompt, self.context_window, self.memory.pool,
                           self.limits.share_prefix)
+        session.owner = owner or sid
         try:
             if len(session.prefix_ids) >= session.context_window:
                 raise InvalidRequest(f"system prompt of {len(session.prefix_ids)} tokens does not fit "

@@ -62,6 +62,9 @@ class Job:
         self.order = 0  # arrival order, set by the lanes: FIFO within a priority
         self.future: Future | None = None  # set when submitted on behalf of a caller
         self._planned = 0
+        # its share of the engine's work (`stepped`): steps it ran in, steps that ran before its first
+        # while it waited, and the most tokens one of its steps carried in all
+        self.submitted_step = self.steps = self.steps_waited = self.max_step_tokens = 0
 
     @property
     def can_join(self) -> bool:
@@ -94,6 +97,13 @@ class Job:
 
     def complete_one(self, logits: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def stepped(self, step: int, tokens: int) -> None:
+        """It ran in engine step number `step`, which carried `tokens` tokens in all."""
+        if not self.steps:
+            self.steps_waited = max(0, step - 1 - self.submitted_step)
+        self.steps += 1
+        self.max_step_tokens = max(self.max_step_tokens, tokens)
 
     def abort(self) -> None:
         """Called when the job is dropped unfinished (session closed, engine error)."""
@@ -141,6 +151,10 @@ class Lanes:
         queue = self.fifo.get(sid)
         if queue and queue[0] is job:
             queue.popleft()
+            if queue and not queue[0].steps:
+                # The next job becomes runnable only now: its age (the scheduler's aging) counts
+                # from here, not from the time it spent queued behind its own session's work.
+                queue[0].waiting_since = max(queue[0].waiting_since, time.monotonic())
         elif queue and job in queue:  # a follower that failed while planned beside its head
             queue.remove(job)
 

@@ -40,6 +40,9 @@ class QueryResult:
     first_token_s: float
     total_s: float
     cached: bool = False  # answered from a current flash answer, without running the model
+    steps: int = 0  # engine steps it ran in
+    steps_waited: int = 0  # engine steps that ran after it was asked and before its first
+    max_step_tokens: int = 0  # the most tokens (its own and other work's) one of its steps carried
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -209,6 +212,7 @@ class QueryJob(Job):
             prefill_s=(self.prefilled_at or self.done_at) - started,
             first_token_s=(self.first_token_at or self.done_at) - self.submitted_at,
             total_s=self.done_at - self.submitted_at,
+            steps=self.steps, steps_waited=self.steps_waited, max_step_tokens=self.max_step_tokens,
         )
 
     def finish(self, core, exc: BaseException | None = None) -> None:

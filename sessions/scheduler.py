@@ -8,14 +8,21 @@ have waited, how many tokens they want, which FIFO jobs may join them) and retur
 - Aging: a job that has waited `aging_s` since it last ran is ranked one class higher per
   `aging_s` waited, so a low class is never starved by a stream of higher ones. Background work
   (flash, thinking) ages at most up to the ingest class: never above questions and actions.
-  Waiting counts from the job's last step, not its submission, so a long evaluation that runs
-  every step does not pile up age.
+  Waiting counts from the job's last step, or from when it reached the head of its session's
+  FIFO, not from its submission: a long evaluation that runs every step does not pile up age,
+  nor does input queued behind its own session's work (it was not passed over).
 - Urgent: a flash evaluation of a question already marked stale (`flash.stale`) takes the
   budget right after questions and actions, ahead of any backlog of input however long it has
   waited, so a feed that never pauses cannot starve it (it needs few tokens per step).
+- Fair share: within a class, jobs of the owner (API key, else client) that ran fewer tokens in
+  recent steps go first, then those of the session that ran fewer, then arrival. Usage is
+  counted by `charge` as each step is planned and halves every `share_half_life_s`; it is
+  compared in units of `step_tokens`, so work of similar size keeps its arrival order. One
+  client's backlog, however deep, cannot push another's append or question behind it.
 - Budget: `step_tokens` per step; when a question or an action is among the candidates, the
   step is kept short (`query_step_tokens`, or what those interactive jobs need) so their
-  decode steps are not slowed by a large prefill.
+  decode steps are not slowed by a large prefill. With several owners asking, the owner that
+  needs least sets the step, so one client's many long questions cannot slow another's decode.
 - Joining: an append that finishes within the step takes the appends queued right behind it in
   its FIFO into the same step, so a backlog of small appends costs few large steps.
 """
@@ -50,18 +57,57 @@ class StepPlan:
         return sum(e.tokens for e in self.entries)
 
 
+def owner_of(job: Job) -> str:
+    """Whose work a job is, for the fair share: its session's owner (the API key, else the
+    client that created it), else the session itself."""
+    session = job.session
+    return getattr(session, "owner", None) or session.id
+
+
+@dataclass(slots=True)
+class Usage:
+    """Tokens each owner and each session ran in recent steps, halved every `half_life_s`."""
+
+    half_life_s: float = 2.0
+    tokens: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # -> (tokens, as of)
+
+    def of(self, name: tuple[str, str], now: float) -> float:
+        tokens, at = self.tokens.get(name, (0.0, now))
+        return tokens * 0.5 ** (max(0.0, now - at) / self.half_life_s)
+
+    def charge(self, name: tuple[str, str], tokens: int, now: float) -> None:
+        self.tokens[name] = (self.of(name, now) + tokens, now)
+        if len(self.tokens) > 4096:  # forget owners and closed sessions that ran nothing lately
+            self.tokens = {k: (self.of(k, now), now) for k in self.tokens if self.of(k, now) >= 1.0}
+
+
 @dataclass(slots=True)
 class Scheduler:
     step_tokens: int = 512
     query_step_tokens: int = 64
     aging_s: float = 2.0
+    share_half_life_s: float = 2.0
+    usage: Usage = field(init=False)
 
-    def rank(self, job: Job, now: float) -> tuple[float, int]:
-        """Priority class, raised one class per `aging_s` waited, then arrival order."""
+    def __post_init__(self) -> None:
+        self.usage = Usage(self.share_half_life_s)
+
+    def rank(self, job: Job, now: float) -> tuple[float, int, int, int]:
+        """Priority class, raised one class per `aging_s` waited; then the fair share (recent
+        tokens of the job's owner, then of its session, in units of `step_tokens`); then arrival."""
         aged = job.priority - (now - job.waiting_since) // self.aging_s
         if job.background:
             aged = max(aged, Priority.INGEST)
-        return aged, job.order
+        unit = max(1, self.step_tokens)
+        owner = int(self.usage.of(("owner", owner_of(job)), now) // unit)
+        session = int(self.usage.of(("session", job.session.id), now) // unit)
+        return aged, owner, session, job.order
+
+    def charge(self, job: Job, tokens: int, now: float) -> None:
+        """`job` runs `tokens` in the step being planned: count them against its owner and session."""
+        if tokens > 0:
+            self.usage.charge(("owner", owner_of(job)), tokens, now)
+            self.usage.charge(("session", job.session.id), tokens, now)
 
     def order(self, heads: list[Job], now: float) -> list[Job]:
         """Heads in the order they take the budget: by rank, except that urgent jobs come right
@@ -74,11 +120,16 @@ class Scheduler:
         return interactive + urgent + [job for job in ranked if not job.urgent and job.priority > Priority.ACTION]
 
     def budget(self, jobs: list[Job]) -> int:
-        interactive = [job.want() for job in jobs if job.priority <= Priority.ACTION]
-        if not interactive:
+        asking: dict[str, int] = {}  # owner -> tokens its questions and actions want now
+        for job in jobs:
+            if job.priority <= Priority.ACTION:
+                owner = owner_of(job)
+                asking[owner] = asking.get(owner, 0) + job.want()
+        if not asking:
             return self.step_tokens
-        # Someone waits on each of these steps: pack only a little prefill with them.
-        return min(self.step_tokens, max(self.query_step_tokens, sum(interactive)))
+        # Someone waits on each of these steps: pack only a little prefill with them. The owner
+        # that needs least sets the size, so another's many long questions cannot slow its decode.
+        return min(self.step_tokens, max(self.query_step_tokens, min(asking.values())))
 
     def schedule(self, heads: list[Job], followers, now: float) -> StepPlan:
         """`heads`: every job that may run now; `followers(job)`: the FIFO jobs that may join

@@ -127,6 +127,7 @@ class Session:
         self.segments: dict[str, int] = {}  # audio segment -> seq of its chunk, while a partial may be revised
         self.version_times: deque[tuple[int, float]] = deque(maxlen=1024)  # (data_version, when it was reached)
         self.staleness = Histogram()  # flash: seconds from accepted data to its evaluated answer
+        self.owner = session_id  # whose work it is for the fair share: the API key, else the client
         self.idle_turn = "flash"  # whose turn it is when a reasoning unit and a flash evaluation are both due
         self.log = logging.LoggerAdapter(log, {"session": session_id})
 

@@ -134,7 +134,8 @@ def session_create(cmd: Command, peer: Peer, svc: Services):
     key_name = peer.key_name if keys_on else None
     engine = svc.engine
     flash = [flash_args(item) for item in cmd["flash"] or ()]
-    fut = engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"], window_of(cmd))
+    fut = engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"], window_of(cmd),
+                                owner=peer.client)
 
     def orphan_check(f) -> None:  # engine thread: a session created after its client left
         if peer.closed and not f.cancelled() and f.exception() is None:
@@ -353,7 +354,8 @@ def query_done(cmd: Command, peer: Peer, r) -> str:
         cached=r.cached or None, finish_reason=r.finish_reason, tokens=len(r.tokens), data_version=r.data_version,
         context_tokens=r.context_tokens, question_tokens=r.question_tokens,
         timing={"queue_ms": _ms(r.queue_s), "prefill_ms": _ms(r.prefill_s), "first_token_ms": _ms(r.first_token_s),
-                "total_ms": _ms(r.total_s), "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)})
+                "total_ms": _ms(r.total_s), "decode_tokens_per_s": round(r.decode_tokens_per_s, 2),
+                "steps": r.steps, "steps_waited": r.steps_waited, "max_step_tokens": r.max_step_tokens})
 
 
 def query_cancel(cmd: Command, peer: Peer, svc: Services):

@@ -70,7 +70,7 @@ class Create(Record):
     def apply(self, engine, session_id: str, then_=None) -> Future:
         window = None if self.window is False else (self.window or "default")
         return engine.create_session(self.system_prompt, session_id, self.flash or None, self.thinking, window,
-                                     then=then_)
+                                     owner=self.key, then=then_)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -10,8 +10,9 @@ from streamer.sessions.scheduler import Scheduler
 class Plain(Job):
     """A job that wants a fixed number of tokens; `joins` as given."""
 
-    def __init__(self, name, priority, want, order, waited=0.0, background=False, joins=False, now=1000.0):
-        super().__init__(SimpleNamespace(id=name))
+    def __init__(self, name, priority, want, order, waited=0.0, background=False, joins=False, now=1000.0,
+                 owner=None):
+        super().__init__(SimpleNamespace(id=name, owner=owner))
         self.name, self.priority, self._want, self.order = name, priority, want, order
         self.background, self.joins = background, joins
         self.waiting_since = now - waited
@@ -49,7 +50,7 @@ def test_aging_lifts_waiting_work_but_never_background_above_questions():
     ingest = Plain("i", Priority.INGEST, 10, 1, waited=4.5)
     flash = Plain("f", Priority.FLASH, 10, 2, waited=600.0, background=True)
     assert s.rank(ingest, 1000.0) < s.rank(query, 1000.0)  # two classes up: ahead of a fresh question
-    assert s.rank(flash, 1000.0) == (Priority.INGEST, 2)  # ten minutes waited: still below questions
+    assert s.rank(flash, 1000.0)[0] == Priority.INGEST  # ten minutes waited: still below questions
     plan = schedule([flash, query], aging_s=2.0)
     assert names(plan)[0][0] == "q"
 
@@ -58,7 +59,7 @@ def test_waiting_counts_from_the_last_step_not_from_submission():
     s = Scheduler(aging_s=2.0)
     running = Plain("f", Priority.INGEST, 10, 1, waited=0.1)
     running.submitted_at = 0.0  # submitted long ago, but it ran a moment ago
-    assert s.rank(running, 1000.0) == (Priority.INGEST, 1)
+    assert s.rank(running, 1000.0)[0] == Priority.INGEST
 
 
 def test_appends_join_the_append_that_finishes_in_the_step():
@@ -93,3 +94,50 @@ def test_an_urgent_stale_evaluation_goes_after_questions_but_ahead_of_any_backlo
     calm = Plain("flash", Priority.FLASH, 24, 5, background=True)  # not stale: waits behind the backlog
     plan = schedule([backlog, calm], step_tokens=512)
     assert names(plan) == [("ingest", 512, None)]
+
+
+def test_fair_share_puts_a_light_owner_ahead_of_a_heavy_one_in_its_class():
+    """Within a class the owner that ran fewer tokens lately goes first, whatever the arrival
+    order; usage halves every `share_half_life_s`, so the heavy owner's turn comes back."""
+    s = Scheduler(step_tokens=512, share_half_life_s=2.0)
+    heavy = Plain("heavy", Priority.INGEST, 400, 1, owner="loader")
+    light = Plain("light", Priority.INGEST, 400, 2, owner="bystander")
+    assert [j.name for j in s.order([heavy, light], 1000.0)] == ["heavy", "light"]  # no usage: arrival
+    for _ in range(8):
+        s.charge(heavy, 512, 1000.0)  # the loader ran eight full steps
+    assert [j.name for j in s.order([heavy, light], 1000.0)] == ["light", "heavy"]
+    plan = s.schedule([heavy, light], lambda job: [], 1000.0)
+    assert names(plan) == [("light", 400, None), ("heavy", 112, None)]  # work-conserving: the rest is the loader's
+    assert [j.name for j in s.order([heavy, light], 1000.0 + 2.0 * 20)] == ["heavy", "light"]  # forgotten
+    # a small difference (under one step of tokens) keeps the arrival order
+    s2 = Scheduler(step_tokens=512)
+    s2.charge(heavy, 100, 1000.0)
+    assert [j.name for j in s2.order([heavy, light], 1000.0)] == ["heavy", "light"]
+
+
+def test_fair_share_counts_per_session_within_an_owner_and_never_crosses_classes():
+    s = Scheduler(step_tokens=512)
+    busy = Plain("busy", Priority.INGEST, 400, 1, owner="k")
+    quiet = Plain("quiet", Priority.INGEST, 400, 2, owner="k")
+    s.charge(busy, 4096, 1000.0)  # the same owner: its busier session goes second
+    assert [j.name for j in s.order([busy, quiet], 1000.0)] == ["quiet", "busy"]
+    question = Plain("q", Priority.QUERY, 1, 3, owner="k")
+    s.charge(question, 100_000, 1000.0)
+    flash = Plain("f", Priority.FLASH, 10, 4, background=True, owner="other")
+    assert s.order([flash, question], 1000.0)[0] is question  # usage orders within a class only
+
+
+def test_with_several_owners_asking_the_lightest_sets_the_step():
+    """A bystander decoding (1 token a step) beside another owner's many long questions: the
+    step stays at `query_step_tokens`, so its decode steps are not slowed by their prefill."""
+    own = [Plain(f"l{i}", Priority.QUERY, 300, i, owner="loader") for i in range(6)]
+    bystander = Plain("b", Priority.QUERY, 1, 10, owner="bystander")
+    assert schedule(own, step_tokens=512, query_step_tokens=64).budget == 512  # alone: as much as it needs
+    s = Scheduler(step_tokens=512, query_step_tokens=64)
+    for job in own:
+        s.charge(job, 512, 1000.0)  # the loader's questions have been running
+    plan = s.schedule([*own, bystander], lambda job: [], 1000.0)
+    assert plan.budget == 64 and names(plan)[:2] == [("b", 1, None), ("l0", 63, None)]
+    long_one = Plain("b", Priority.QUERY, 200, 10, owner="bystander")  # its long question prefills in one step
+    plan = s.schedule([*own, long_one], lambda job: [], 1000.0)
+    assert plan.budget == 200 and names(plan) == [("b", 200, None)]
