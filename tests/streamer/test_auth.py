@@ -4,6 +4,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from websockets.exceptions import InvalidStatus
@@ -51,6 +52,12 @@ def test_keys_file(tmp_path):
             ApiKeys.from_file(path)
     with pytest.raises(KeysFileError, match="cannot read"):
         ApiKeys.from_file(tmp_path / "missing")
+    # the example in docs/protocol.md parses to what the text around it says
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    example = doc.split("```text\n# name:key [role=operator|tenant]\n", 1)[1].split("```", 1)[0]
+    path.write_text(example)
+    keys = ApiKeys.from_file(path)
+    assert (len(keys), keys.role("ops"), keys.role("acme")) == (2, "operator", "tenant")
     with pytest.raises(ValueError, match="unknown key roles"):
         ApiKeys({"a": KEY_A}, {"a": "root"})
     with pytest.raises(ValueError, match="do not exist"):
