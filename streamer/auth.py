@@ -3,7 +3,10 @@
 - **API keys** (server-wide) let a connection create sessions. They come from the server's
   configuration or a keys file and are presented on the websocket handshake
   (`Authorization: Bearer <key>`, `X-API-Key: <key>`, or `?api_key=<key>` for browsers).
-  With no keys configured the server is open (the embedded default, on loopback).
+  With no keys configured the server is open (the embedded default, on loopback). Each key has
+  a role (`KEY_ROLES`): an `operator` lists and watches every session; a `tenant` lists and
+  watches only the sessions its own key created. A key without a role is a tenant (the least
+  privilege: a keys file written before roles existed gives no key a view of the others').
 - **Capability tokens** (per session) are minted when a session is created and returned once,
   in `session.created`. Each carries one role:
   - `producer`: everything on that session (input, questions, flash, actions, close), and
@@ -27,6 +30,8 @@ import threading
 from pathlib import Path
 
 ROLES = ("producer", "subscriber", "dashboard")
+KEY_ROLES = ("operator", "tenant")
+DEFAULT_KEY_ROLE = "tenant"
 
 
 def digest(secret: str) -> str:
@@ -50,8 +55,15 @@ class KeysFileError(ValueError):
 class ApiKeys:
     """Server-wide API keys, by name (the name is what logs and limits see, never the key)."""
 
-    def __init__(self, keys: dict[str, str] | None = None) -> None:
+    def __init__(self, keys: dict[str, str] | None = None, roles: dict[str, str] | None = None) -> None:
+        """`keys`: name -> key; `roles`: name -> `operator` or `tenant` (a name not in it: tenant)."""
         self._digests = {name: digest(key) for name, key in (keys or {}).items()}
+        roles = roles or {}
+        if unknown := set(roles) - set(self._digests):
+            raise ValueError(f"roles name keys that do not exist: {sorted(unknown)}")
+        if bad := {r for r in roles.values() if r not in KEY_ROLES}:
+            raise ValueError(f"unknown key roles {sorted(bad)}; a key is one of {KEY_ROLES}")
+        self._roles = {name: roles.get(name, DEFAULT_KEY_ROLE) for name in self._digests}
 
     @property
     def enabled(self) -> bool:
@@ -66,11 +78,21 @@ class ApiKeys:
             return None
         return _match(key, self._digests)
 
+    def role(self, name: str | None) -> str | None:
+        """The role of the key with this name (`operator` or `tenant`), or None for no key."""
+        return self._roles.get(name) if name is not None else None
+
+    def roles(self) -> dict[str, int]:
+        """How many keys hold each role (for the start-up log line)."""
+        return {role: sum(1 for r in self._roles.values() if r == role) for role in KEY_ROLES}
+
     @classmethod
     def from_file(cls, path: str | Path) -> "ApiKeys":
-        """One key per line, `name:key` or a bare key (named key1, key2...); `#` comments and
+        """One key per line, `name:key` or a bare key (named key1, key2...), optionally followed
+        by whitespace and `role=operator` or `role=tenant` (without it: tenant); `#` comments and
         blank lines are skipped. Keys shorter than 16 characters are refused."""
         keys: dict[str, str] = {}
+        roles: dict[str, str] = {}
         try:
             lines = Path(path).read_text().splitlines()
         except OSError as exc:
@@ -79,6 +101,12 @@ class ApiKeys:
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
+            role = None
+            parts = line.rsplit(None, 1)
+            if len(parts) == 2 and parts[1].startswith("role="):
+                line, role = parts[0], parts[1].removeprefix("role=")
+                if role not in KEY_ROLES:
+                    raise KeysFileError(f"{path}:{number}: unknown role {role!r}; use role=operator or role=tenant")
             name, sep, key = line.partition(":")
             if not sep:
                 name, key = f"key{len(keys) + 1}", line
@@ -88,9 +116,11 @@ class ApiKeys:
             if name in keys:
                 raise KeysFileError(f"{path}:{number}: key name {name!r} appears twice")
             keys[name] = key
+            if role is not None:
+                roles[name] = role
         if not keys:
             raise KeysFileError(f"{path}: no keys in the file")
-        return cls(keys)
+        return cls(keys, roles)
 
 
 class SessionTokens:

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="publish session events to this MQTT broker (mqtt://host:port) and take robot state from it")
     serve.add_argument("--mqtt-prefix", default="streamer", help="MQTT topic prefix (default: %(default)s)")
     serve.add_argument("--api-keys-file", default=os.environ.get("STREAMER_API_KEYS_FILE"), metavar="PATH",
-                       help="API keys that may create sessions, one 'name:key' per line (default: "
+                       help="API keys that may create sessions, one 'name:key [role=operator|tenant]' per line "
+                            "(no role: tenant, which sees only its own sessions; default: "
                             "$STREAMER_API_KEYS_FILE; none: anyone who can reach the port may)")
     serve.add_argument("--sessions-per-key", type=positive_int, default=32,
                        help="live sessions one API key may hold (default: %(default)s)")
@@ -242,6 +243,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not keys.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s with no API keys: anyone who reaches the port can create sessions "
                     "(use --api-keys-file)", args.host)
+    elif keys.enabled:
+        roles = keys.roles()
+        log.info("%d API keys: %d operator (list and watch every session), %d tenant (their own sessions)%s",
+                 len(keys), roles["operator"], roles["tenant"],
+                 "" if roles["operator"] else "; no operator key: mark one 'role=operator' to see all sessions")
     config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
                           api_keys=keys, sessions_per_key=args.sessions_per_key, store_url=args.store,
                           detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url)

@@ -91,6 +91,10 @@ class Directory:
     def get(self, session_id: str) -> Tracked | None:
         return self.sessions.get(session_id)
 
+    def key_of(self, session_id: str) -> str | None:
+        """The name of the API key that created the live session (None: none, or not live)."""
+        return self._key_of.get(session_id)
+
     def forget(self, session_id: str) -> Tracked | None:
         """The session is gone from this worker: its tokens stop working, its key's count drops."""
         self.tokens.revoke(session_id)

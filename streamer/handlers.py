@@ -115,9 +115,19 @@ class Services:
     query_ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def operator(self, peer: Peer) -> bool:
-        """Whether the peer holds a server-level credential (any valid API key; anyone when the
-        server has no keys): it may list sessions and watch any of them read-only."""
-        return not self.config.api_keys.enabled or peer.key_name is not None
+        """Whether the peer may list every session and watch any of them read-only: an operator
+        API key, or anyone when the server has no keys."""
+        keys = self.config.api_keys
+        return not keys.enabled or keys.role(peer.key_name) == "operator"
+
+    def viewer(self, peer: Peer, what: str) -> str | None:
+        """Whose sessions a token-less listing or watch may see: None for an operator (all), the
+        key's name for a tenant (its own); a connection with no API key is refused."""
+        if self.operator(peer):
+            return None
+        if peer.key_name is None:
+            raise EngineError(f"{what} needs an API key on the websocket handshake", code=Code.UNAUTHORIZED)
+        return peer.key_name
 
 
 # ---- sessions -----------------------------------------------------------------------------------
@@ -125,13 +135,14 @@ class Services:
 
 def session_create(cmd: Command, peer: Peer, svc: Services):
     keys_on = svc.config.api_keys.enabled
-    if keys_on:
-        if peer.key_name is None:
-            svc.edge["auth_refused"] += 1
-            raise EngineError("session.create needs an API key: send 'Authorization: Bearer <key>' (or ?api_key=) "
-                              "when opening the websocket", code=Code.UNAUTHORIZED)
-        svc.directory.reserve(peer.key_name)  # released below if creation fails
+    if keys_on and peer.key_name is None:
+        svc.edge["auth_refused"] += 1
+        raise EngineError("session.create needs an API key: send 'Authorization: Bearer <key>' (or ?api_key=) "
+                          "when opening the websocket", code=Code.UNAUTHORIZED)
     key_name = peer.key_name if keys_on else None
+    evicted = svc.resumer.make_room(key_name)  # a detached session holding the last slot goes first
+    if key_name is not None:
+        svc.directory.reserve(key_name)  # released below if creation fails
     engine = svc.engine
     flash = [flash_args(item) for item in cmd["flash"] or ()]
     fut = engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"], window_of(cmd),
@@ -147,10 +158,11 @@ def session_create(cmd: Command, peer: Peer, svc: Services):
     if key_name is not None:  # give the reservation back if the engine refuses the session
         fut.add_done_callback(lambda f: f.exception() is None or peer.loop.call_soon_threadsafe(
             svc.directory.release, key_name))
-    return Await(fut, lambda state: _created(cmd, peer, svc, state, flash, key_name))
+    return Await(fut, lambda state: _created(cmd, peer, svc, state, flash, key_name, evicted))
 
 
-async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: list[dict], key_name) -> str:
+async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: list[dict], key_name,
+                   evicted: list[str]) -> str:
     """The engine made the session: claim it in the store and log its creation, then answer.
     If the store refuses, it goes, as if it had never been created."""
     sid = state["session_id"]
@@ -175,7 +187,8 @@ async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: 
         directory.forget(sid)
         raise
     return peer.proto.event("session.created", reply_to=cmd.event_id, session_id=sid, model=svc.engine.runner.name,
-                            tokens=tokens, subscribe_token=tokens["subscriber"], session=state)
+                            tokens=tokens, subscribe_token=tokens["subscriber"], evicted=evicted or None,
+                            session=state)
 
 
 def window_of(cmd: Command) -> dict | str | None:
@@ -250,9 +263,9 @@ async def _resume(cmd: Command, peer: Peer, svc: Services) -> str:
 
 
 def sessions_list(cmd: Command, peer: Peer, svc: Services):
-    """Every session's snapshot (all workers sharing the store): needs a server credential."""
-    if not svc.operator(peer):
-        raise EngineError("sessions.list needs an API key on the websocket handshake", code=Code.UNAUTHORIZED)
+    """Every session's snapshot (all workers sharing the store) for an operator; a tenant key's
+    own sessions only (another's are left out, as if they did not exist)."""
+    tenant = svc.viewer(peer, "sessions.list")
 
     async def listing() -> str:
         try:
@@ -264,6 +277,8 @@ def sessions_list(cmd: Command, peer: Peer, svc: Services):
         except StoreError as exc:
             raise EngineError(f"the store cannot list sessions now ({exc}); retry later",
                               code=Code.STORE_UNAVAILABLE) from None
+        if tenant is not None:
+            snaps = [snap for snap in snaps if snap.get("key") == tenant]
         return peer.proto.event("sessions", reply_to=cmd.event_id, sessions=snaps, worker=svc.store.worker_id)
 
     return listing()
@@ -396,13 +411,19 @@ def flash_args(fields: dict) -> dict:
 
 def subscribe(cmd: Command, peer: Peer, svc: Services):
     """Read-only access to a session with any of its tokens (subscriber, dashboard or
-    producer); an unknown session and a wrong token get the same answer."""
+    producer), or without one with an API key: an operator's watches any session, a tenant's
+    only those its key created. An unknown session, a wrong token and another tenant's session
+    get the same answer."""
     sid = cmd.session_id
-    if cmd["token"] is None:  # an operator's view (the dashboard): needs a server credential
-        if not svc.operator(peer):
-            raise EngineError("subscribe without a token needs an API key on the websocket handshake; or give "
-                              "one of the session's tokens", code=Code.UNAUTHORIZED)
-        role = "operator" if sid in svc.directory.tokens else None
+    if cmd["token"] is None:  # a key holder's view (the dashboard)
+        tenant = svc.viewer(peer, "subscribe without a token (or give one of the session's tokens)")
+        live = sid in svc.directory.tokens
+        if tenant is None:
+            role = "operator" if live else None
+        else:
+            role = "tenant" if live and svc.directory.key_of(sid) == tenant else None
+        if role is None:
+            raise EngineError(f"no session {sid!r} that this API key may watch", code=Code.SESSION_NOT_FOUND)
     else:
         role = svc.directory.tokens.role_of(sid, cmd["token"])
     if role is None:

@@ -41,7 +41,8 @@ DURABILITY = {
     "duplicates": "Inputs acknowledged as duplicates of a client_seq already seen",
     "recovered": "Sessions recovered by replaying their event logs",
     "detached_expired": "Detached sessions closed when their TTL ran out",
-    "detached_evicted": "Detached sessions closed early: their client or the server was over its detach quota",
+    "detached_evicted": "Detached sessions closed early to make room: a client or the server over its detach cap, "
+                        "a key at its session quota or the engine at its session limit",
     "snapshots": "Session snapshots written",
 }
 

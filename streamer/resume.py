@@ -1,7 +1,11 @@
 """Sessions outliving their connection: detach, resume, recover, close.
 
 - A session whose producer disconnects is detached, not closed; it closes after `detach_ttl_s`
-  unless a producer resumes it (`session.resume` with the producer token).
+  unless a producer resumes it (`session.resume` with the producer token). Detached sessions
+  still count for the API key that created them (`sessions_per_key`) and hold engine slots, so
+  under pressure the oldest detached one closes first (`evicted`): past a client's or the
+  server's detach cap, and when a new session needs its key's or the engine's last slot
+  (`make_room`).
 - A session not live on this worker (a restart, or an adopted session of a dead worker) is
   recovered by replaying its log (streamer.recovery) once the token is checked against the
   digests its log holds and this worker has claimed it in the store's directory.
@@ -44,7 +48,7 @@ class Moved(EngineError):
 
 class Resumer:
     def __init__(self, engine, store: Store, directory: Directory, events: EventLog, snapshots: Snapshots,
-                 detach_ttl_s: float = DEFAULT_DETACH_TTL_S, on_close: Callable[[str], None] | None = None,
+                 detach_ttl_s: float = DEFAULT_DETACH_TTL_S, on_close: Callable[[str, str], None] | None = None,
                  max_detached: int = 128, max_detached_per_client: int = 8) -> None:
         self.engine = engine
         self.store = store
@@ -52,7 +56,7 @@ class Resumer:
         self.events = events
         self.snapshots = snapshots
         self.detach_ttl_s = detach_ttl_s
-        self.on_close = on_close  # a session closed here (the MQTT bridge stops publishing it)
+        self.on_close = on_close  # (session id, reason): closed here (subscribers are told, MQTT stops)
         self._recovering: dict[str, asyncio.Future] = {}
         self.max_detached, self.max_detached_per_client = max_detached, max_detached_per_client
         self.counters = {"recovered": 0, "detached_expired": 0, "detached_evicted": 0}
@@ -76,17 +80,41 @@ class Resumer:
             held = sorted((t for t in self.directory.sessions.values() if t.detached_at is not None and mine(t)),
                           key=lambda t: t.detached_at)
             for tracked in held[:max(0, len(held) - limit)]:
-                self.counters["detached_evicted"] += 1
-                log.info("session %s closed: over the detach quota of %s", tracked.session_id,
-                         "its client" if limit == self.max_detached_per_client else "the server")
-                self.close(tracked.session_id, "detached")
+                self._evict(tracked, "over the detach quota of " +
+                            ("its client" if limit == self.max_detached_per_client else "the server"))
+
+    def make_room(self, key_name: str | None) -> list[str]:
+        """A session is about to be created for `key_name`: if the key holds `sessions_per_key`
+        sessions and one of them is detached, or the engine is at its session limit and a
+        detached session is anywhere, the oldest such detached session closes first. Returns
+        the ids closed that were this key's (its creator is told; another key's ids are not)."""
+        directory, mine = self.directory, []
+        if key_name is not None and directory.keys_enabled and directory.held(key_name) >= directory.sessions_per_key:
+            if (oldest := self._oldest_detached(lambda t: t.key_name == key_name)) is not None:
+                self._evict(oldest, "its API key is at its session quota")
+                mine.append(oldest.session_id)
+        if len(directory.sessions) >= self.engine.limits.max_sessions:
+            if (oldest := self._oldest_detached(lambda t: True)) is not None:
+                self._evict(oldest, "the engine is at its session limit")
+                if key_name is not None and oldest.key_name == key_name:
+                    mine.append(oldest.session_id)
+        return mine
+
+    def _oldest_detached(self, mine: Callable[[Tracked], bool]) -> Tracked | None:
+        held = [t for t in self.directory.sessions.values() if t.detached_at is not None and mine(t)]
+        return min(held, key=lambda t: t.detached_at, default=None)
+
+    def _evict(self, tracked: Tracked, why: str) -> None:
+        self.counters["detached_evicted"] += 1
+        log.info("detached session %s closed: %s", tracked.session_id, why)
+        self.close(tracked.session_id, "evicted")
 
     def _schedule_expiry(self, session_id: str, tracked: Tracked) -> None:
         def expire() -> None:
             if tracked.detached_at is not None and self.directory.get(session_id) is tracked:
                 self.counters["detached_expired"] += 1
                 log.info("session %s expired after %.0f s detached", session_id, self.detach_ttl_s)
-                self.close(session_id, "detached")
+                self.close(session_id, "expired")
 
         tracked.expiry = asyncio.get_running_loop().call_later(self.detach_ttl_s, expire)
 
@@ -101,19 +129,21 @@ class Resumer:
 
     def close(self, session_id: str, reason: str):
         """Close the session here and in its log (a producer's close, or its detach TTL ran out);
-        returns the engine's future of its final state and the task that records the close."""
+        returns the engine's future of its final state and the task that records the close.
+        Reasons: `closed` (its producer), `detached` (no detach time), `expired`, `evicted`."""
         if self.on_close is not None:
-            self.on_close(session_id)
-        self.directory.forget(session_id)
-        recorded = self.events.spawn(self._record_close(session_id, reason))
+            self.on_close(session_id, reason)
+        tracked = self.directory.forget(session_id)
+        key_name = tracked.key_name if tracked is not None else None
+        recorded = self.events.spawn(self._record_close(session_id, reason, key_name))
         recorded.add_done_callback(lambda t: t.cancelled() or t.exception())
         return self.engine.close_session(session_id), recorded
 
-    async def _record_close(self, session_id: str, reason: str) -> None:
+    async def _record_close(self, session_id: str, reason: str, key_name: str | None) -> None:
         try:
             await self.events.closing(session_id, Close(ts=time.time(), reason=reason))
             await self.store.put_snapshot(session_id, {**(await self.store.snapshot(session_id) or
-                                                          {"session_id": session_id}),
+                                                          {"session_id": session_id, "key": key_name}),
                                                        "closed": True, "updated_at": time.time()})
             await self.store.closed(session_id)
             await self.store.release(session_id)

@@ -113,7 +113,7 @@ class StreamerServer:
         self.events = EventLog(self.store, self.directory, cfg.relog_max_bytes)
         self.snapshots = Snapshots(engine, self.store, self.directory, self.push_snapshot, cfg.snapshot_interval_s)
         self.resumer = Resumer(engine, self.store, self.directory, self.events, self.snapshots, cfg.detach_ttl_s,
-                               on_close=self._unpublish, max_detached=cfg.max_detached,
+                               on_close=self._closed, max_detached=cfg.max_detached,
                                max_detached_per_client=cfg.max_detached_per_client)
         self.services = Services(engine, cfg, self.directory, self.events, self.resumer, self.snapshots, self.store,
                                  self.take_over, edge=self.edge)
@@ -265,9 +265,14 @@ class StreamerServer:
             if session_id in conn.peer.subscriptions:
                 conn.send(conn.proto.event("session.snapshot", session_id=session_id, snapshot=snapshot))
 
-    def _unpublish(self, session_id: str) -> None:
+    def _closed(self, session_id: str, reason: str) -> None:
+        """A session closed here: its subscribers get `session.closed` with the reason (`closed`,
+        `detached`, `expired`, `evicted`) and stop watching it; MQTT stops publishing it."""
         if self.mqtt is not None:
             self.mqtt.detach(session_id)
+        for conn in list(self.connections):
+            if conn.peer.subscriptions.pop(session_id, None) is not None:
+                conn.send(conn.proto.event("session.closed", session_id=session_id, reason=reason))
 
     def health(self) -> dict:
         stats = self.engine.snapshot_stats()

@@ -94,7 +94,8 @@ class Snapshots:
 
     def snapshot(self, tracked: Tracked, state: dict) -> dict:
         return {
-            "session_id": tracked.session_id, "owner": self.store.worker_id, "owner_url": self.store.worker_url,
+            "session_id": tracked.session_id, "key": tracked.key_name,
+            "owner": self.store.worker_id, "owner_url": self.store.worker_url,
             "created_at": state["created_at"], "last_input_at": state["last_input_at"],
             "detached": tracked.detached_at is not None, "closed": False,
             "ingest_lag_ms": tracked.lag_ms, "tokens": state["tokens"], "cache_bytes": state["cache_bytes"],

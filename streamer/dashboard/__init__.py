@@ -1,7 +1,8 @@
 """The live dashboard: static files (HTML, JS, CSS; no build step, no CDN) served on the
 service's own port at /dashboard. The page talks to the same port over a websocket, read-only:
-`sessions.list` (with an API key when keys are configured) and `subscribe` (with a session's
-dashboard token, or without one for a holder of an API key). Its first paint reads the session
+`sessions.list` (with an API key when keys are configured: an operator key lists every session,
+a tenant key its own) and `subscribe` (with a session's dashboard token, or without one for a
+holder of an API key that may see the session). Its first paint reads the session
 JSON of streamer.web.views; streamer.web.route sends /dashboard paths here."""
 
 from __future__ import annotations

@@ -9,12 +9,14 @@ are pushed on change only. One fetch of this JSON holds the virtual clock and pa
 at once; the websocket then keeps the page live.
 
     GET /dashboard/session.json?session=ID&token=TOKEN   (any of the session's tokens)
-    GET /dashboard/session.json?session=ID&api_key=KEY   (an operator; or no key on an open server)
-        -> {"session": state, "snapshot": snapshot}
-    GET /dashboard/sessions.json?api_key=KEY -> {"sessions": snapshots, "worker": id}
+    GET /dashboard/session.json?session=ID&api_key=KEY   (an operator: any session; a tenant: its
+        own; no key on an open server) -> {"session": state, "snapshot": snapshot}
+    GET /dashboard/sessions.json?api_key=KEY -> {"sessions": snapshots, "worker": id} (a tenant:
+        its own sessions only)
 
-Errors are JSON {"error": {"code", "message"}}: 404 `session_not_found` (unknown session or
-wrong token, the same answer as the websocket's), 401 `unauthorized`, 400 `missing_field`.
+Errors are JSON {"error": {"code", "message"}}: 404 `session_not_found` (unknown session, wrong
+token or another tenant's session, the same answer as the websocket's), 401 `unauthorized`, 400
+`missing_field`.
 """
 
 from __future__ import annotations
@@ -43,10 +45,19 @@ def _error(status: HTTPStatus, code: str, message: str) -> Response:
     return json_response(status, {"error": {"code": code, "message": message}})
 
 
-def _operator(server, request: Request) -> bool:
-    """A valid API key on the request (or a server without keys): it may read any session."""
+_NO_KEY = object()  # no valid API key on the request
+
+
+def _viewer(server, request: Request):
+    """Whose sessions the request's API key may read: None for all (an operator key, or any
+    request on a server without keys), a tenant key's name for its own, `_NO_KEY` for none."""
     keys = server.config.api_keys
-    return not keys.enabled or keys.check(key_from_request(request.headers, request.path)) is not None
+    if not keys.enabled:
+        return None
+    name = keys.check(key_from_request(request.headers, request.path))
+    if name is None:
+        return _NO_KEY
+    return None if keys.role(name) == "operator" else name
 
 
 def _query(request: Request) -> dict[str, str]:
@@ -59,16 +70,19 @@ async def session_view(server, request: Request) -> Response:
     sid, token = query.get("session"), query.get("token")
     if not sid:
         return _error(HTTPStatus.BAD_REQUEST, "missing_field", "give ?session=ID and &token= (or an API key)")
+    viewer = None if token else _viewer(server, request)
     if token:
         allowed = server.directory.tokens.role_of(sid, token) is not None
-    elif _operator(server, request):
-        allowed = True
-    else:
+    elif viewer is _NO_KEY:
         return _error(HTTPStatus.UNAUTHORIZED, "unauthorized", "reading a session without a token needs an API key "
                       "(?api_key=)")
+    else:  # an operator reads any session, a tenant its own key's
+        allowed = viewer is None or server.directory.key_of(sid) == viewer or server.directory.get(sid) is None
     tracked = server.directory.get(sid) if allowed else None
-    if tracked is None:  # not live on this worker: an operator may still read its last snapshot
+    if tracked is None:  # not live on this worker: a key holder may still read its last snapshot
         snapshot = await server.store.snapshot(sid) if allowed and not token else None
+        if snapshot is not None and viewer is not None and snapshot.get("key") != viewer:
+            snapshot = None  # another tenant's: as if it did not exist
         if snapshot is None:
             return _error(HTTPStatus.NOT_FOUND, "session_not_found", f"no session {sid!r} with that token")
         return json_response(HTTPStatus.OK, {"session": None, "snapshot": snapshot})
@@ -81,9 +95,12 @@ async def session_view(server, request: Request) -> Response:
 
 
 async def sessions_view(server, request: Request) -> Response:
-    if not _operator(server, request):
+    viewer = _viewer(server, request)
+    if viewer is _NO_KEY:
         return _error(HTTPStatus.UNAUTHORIZED, "unauthorized", "the session list needs an API key (?api_key=)")
     snapshots = await server.store.snapshots()
+    if viewer is not None:  # a tenant key: its own sessions only
+        snapshots = [snap for snap in snapshots if snap.get("key") == viewer]
     return json_response(HTTPStatus.OK, {"sessions": snapshots, "worker": server.store.worker_id})
 
 

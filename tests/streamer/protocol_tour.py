@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vision"))
 from videogen import encode_image, encode_video, scene_frame
 
 API_KEY = "tour-key-0123456789abcdef"
+OPERATOR_KEY = "tour-operator-key-0123456789"
 
 
 class TextFrame(bytes):
@@ -425,18 +426,31 @@ async def edge_limits(rec: Recorder, engine, tmp: Path) -> None:
     finally:
         await server.stop()
 
-    keys = tmp / "keys.txt"
-    keys.write_text(f"tour:{API_KEY}\n")
+    keys = tmp / "keys.txt"  # a tenant key (no role) and an operator key
+    keys.write_text(f"tour:{API_KEY}\nops:{OPERATOR_KEY} role=operator\n")
     server, url = await started(engine, api_keys=ApiKeys.from_file(str(keys)), sessions_per_key=1)
     try:
         anonymous = await Peer.open(rec, url)
         await anonymous.refused({"type": "session.create"}, "unauthorized")
         await anonymous.refused({"type": "sessions.list"}, "unauthorized")
         keyed = await Peer.open(rec, url, additional_headers={"Authorization": f"Bearer {API_KEY}"})
-        await keyed.ok({"type": "session.create"}, "session.created")
+        first = (await keyed.ok({"type": "session.create"}, "session.created"))["session_id"]
         await keyed.refused({"type": "session.create"}, "too_many_sessions")
+        operator = await Peer.open(rec, url, additional_headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
+        mine = (await operator.ok({"type": "session.create"}, "session.created"))["session_id"]
+        await operator.ok({"type": "subscribe", "session_id": first}, "subscribed")  # an operator watches any
+        await keyed.refused({"type": "subscribe", "session_id": mine}, "session_not_found")  # a tenant: its own
+        await keyed.close()  # its session is detached, still holding the key's one slot
+        while server.directory.detached() == 0:
+            await asyncio.sleep(0.01)
+        again = await Peer.open(rec, url, additional_headers={"Authorization": f"Bearer {API_KEY}"})
+        created = await again.ok({"type": "session.create"}, "session.created")
+        assert created["evicted"] == [first], created  # the detached one made room
+        closed = await operator.of("session.closed", session_id=first)
+        assert closed["reason"] == "evicted", closed
         await anonymous.close()
-        await keyed.close()
+        await again.close()
+        await operator.close()
     finally:
         await server.stop()
 

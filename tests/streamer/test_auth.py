@@ -1,5 +1,10 @@
-"""API keys and per-session capability tokens over a real socket."""
+"""API keys (operator and tenant roles) and per-session capability tokens over a real socket."""
 
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 from websockets.exceptions import InvalidStatus
@@ -8,14 +13,20 @@ from streamer.auth import ApiKeys, KeysFileError, SessionTokens, key_from_reques
 from streamer.server import ServerConfig
 
 from helpers import until
-from wsutil import check_error, raw, serve
+from wsutil import check_error, next_of, raw, serve
 
 KEY_A = "alpha-key-0123456789"
 KEY_B = "bravo-key-0123456789"
+KEY_OPS = "ops-key-0123456789ab"
 
 
 def keyed(**extra):
     return dict(api_keys=ApiKeys({"a": KEY_A, "b": KEY_B}), **extra)
+
+
+def tenants(**extra):
+    """Two tenant keys (a, b: a key without a role is a tenant) and an operator key."""
+    return dict(api_keys=ApiKeys({"a": KEY_A, "b": KEY_B, "ops": KEY_OPS}, {"ops": "operator"}), **extra)
 
 
 def test_keys_file(tmp_path):
@@ -25,12 +36,32 @@ def test_keys_file(tmp_path):
     assert keys.check("0123456789abcdef01") == "ops"
     assert keys.check("fedcba98765432100") == "key2"
     assert keys.check("nope") is None and keys.check(None) is None
-    for bad in ("short:abc\n", "", "x:0123456789abcdef01\nx:0123456789abcdef02\n"):
+    assert keys.role("ops") == keys.role("key2") == "tenant"  # a line without a role: a tenant
+    path.write_text("ops:0123456789abcdef01   role=operator\nacme:0123456789abcdef02 role=tenant\n"
+                    "fedcba98765432100\trole=operator\n")
+    keys = ApiKeys.from_file(path)
+    assert keys.check("0123456789abcdef01") == "ops" and keys.check("0123456789abcdef02") == "acme"
+    assert keys.check("fedcba98765432100") == "key3"
+    assert (keys.role("ops"), keys.role("acme"), keys.role("key3"), keys.role(None)) == \
+        ("operator", "tenant", "operator", None)
+    assert keys.roles() == {"operator": 2, "tenant": 1}
+    for bad in ("short:abc\n", "", "x:0123456789abcdef01\nx:0123456789abcdef02\n",
+                "x:0123456789abcdef01 role=admin\n", "x:0123456789abcdef01 role=\n", "x:short role=tenant\n"):
         path.write_text(bad)
         with pytest.raises(KeysFileError):
             ApiKeys.from_file(path)
     with pytest.raises(KeysFileError, match="cannot read"):
         ApiKeys.from_file(tmp_path / "missing")
+    # the example in docs/protocol.md parses to what the text around it says
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    example = doc.split("```text\n# name:key [role=operator|tenant]\n", 1)[1].split("```", 1)[0]
+    path.write_text(example)
+    keys = ApiKeys.from_file(path)
+    assert (len(keys), keys.role("ops"), keys.role("acme")) == (2, "operator", "tenant")
+    with pytest.raises(ValueError, match="unknown key roles"):
+        ApiKeys({"a": KEY_A}, {"a": "root"})
+    with pytest.raises(ValueError, match="do not exist"):
+        ApiKeys({"a": KEY_A}, {"b": "operator"})
 
 
 def test_tokens_are_per_session_and_role():
@@ -164,3 +195,175 @@ def test_tokens_never_logged(tiny_engine, caplog):
 
 def test_config_default_is_open():
     assert not ServerConfig().api_keys.enabled
+
+
+def get_json(url):
+    """(status, body) of a JSON GET, errors included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def listed(reply):
+    assert reply["type"] == "sessions", reply
+    return {s["session_id"] for s in reply["sessions"]}
+
+
+def test_tenants_see_and_watch_only_their_own_sessions(tiny_engine):
+    """Two tenant keys and an operator key: each tenant lists and watches (websocket and the
+    dashboard's JSON) only the sessions its key created; another tenant's session is answered
+    like one that does not exist, and the connection goes on; the operator sees all of them.
+    Capability tokens work whoever holds them."""
+
+    async def test(url, server):
+        base = url.replace("ws://", "http://")
+        get = lambda path: asyncio.to_thread(get_json, base + path)  # noqa: E731
+        alice, bob, ops = await raw(url, api_key=KEY_A), await raw(url, api_key=KEY_B), await raw(url, api_key=KEY_OPS)
+        sid_a = await alice.create()
+        created_b = await bob.request({"type": "session.create"})
+        sid_b = created_b["session_id"]
+        sid_ops = await ops.create()
+        for peer, sid in ((alice, sid_a), (bob, sid_b)):
+            ack = await peer.request({"type": "input.text.append", "session_id": sid, "text": "Private notes."})
+            assert ack["type"] == "input.ack"
+        every = {sid_a, sid_b, sid_ops}
+        await until(lambda: server.snapshots.written >= 3, 30, "the first snapshots")
+        assert listed(await ops.request({"type": "sessions.list"})) == every
+        assert listed(await alice.request({"type": "sessions.list"})) == {sid_a}
+        assert listed(await bob.request({"type": "sessions.list"})) == {sid_b}
+        assert listed(await alice.request({"type": "sessions.list", "session_id": sid_b})) == set()
+        assert listed(await ops.request({"type": "sessions.list", "session_id": sid_b})) == {sid_b}
+        snap = (await bob.request({"type": "sessions.list", "session_id": sid_b}))["sessions"][0]
+        assert snap["key"] == "b"
+
+        # token-less watching: a tenant key opens its own sessions only, from any connection
+        alice2 = await raw(url, api_key=KEY_A)
+        assert (await alice2.request({"type": "subscribe", "session_id": sid_a}))["type"] == "subscribed"
+        for other in (sid_b, sid_ops, "no-such-session"):
+            error = check_error(await alice2.request({"type": "subscribe", "session_id": other}), "session_not_found")
+            assert error["message"] == f"no session {other!r} that this API key may watch"  # existence not told
+            check_error(await alice2.request({"type": "session.get", "session_id": other}), "session_not_found")
+        state = await alice2.request({"type": "session.get", "session_id": sid_a})
+        assert state["type"] == "state" and state["session"]["inputs"] == 1
+        await alice.still_serving(sid_a)
+        for sid in (sid_a, sid_b):  # the operator watches every session
+            assert (await ops.request({"type": "subscribe", "session_id": sid}))["type"] == "subscribed"
+        # a capability token still opens its session, whichever key the connection holds
+        sub = await alice2.request({"type": "subscribe", "session_id": sid_b, "token": created_b["tokens"]["dashboard"]})
+        assert sub["type"] == "subscribed"
+        anon = await raw(url)
+        check_error(await anon.request({"type": "sessions.list"}), "unauthorized")
+        check_error(await anon.request({"type": "subscribe", "session_id": sid_a}), "unauthorized")
+
+        # the dashboard's JSON: the same view per key
+        status, body = await get(f"/dashboard/sessions.json?api_key={KEY_A}")
+        assert status == 200 and {s["session_id"] for s in body["sessions"]} == {sid_a}
+        status, body = await get(f"/dashboard/sessions.json?api_key={KEY_OPS}")
+        assert status == 200 and {s["session_id"] for s in body["sessions"]} == every
+        status, body = await get(f"/dashboard/session.json?session={sid_a}&api_key={KEY_A}")
+        assert status == 200 and body["snapshot"]["session_id"] == sid_a and body["session"]["inputs"] == 2
+        for sid in (sid_b, "no-such-session"):
+            status, body = await get(f"/dashboard/session.json?session={sid}&api_key={KEY_A}")
+            assert (status, body["error"]["code"]) == (404, "session_not_found"), body
+        status, body = await get(f"/dashboard/session.json?session={sid_b}&api_key={KEY_OPS}")
+        assert status == 200 and body["snapshot"]["key"] == "b"
+
+        # closed: its watchers are told; the closed snapshot stays its own key's
+        closed = await bob.request({"type": "session.close", "session_id": sid_b})
+        assert closed["type"] == "session.closed" and "reason" not in closed
+        for watcher in (ops, alice2):
+            pushed = await next_of(watcher, "session.closed", 30)
+            assert (pushed["session_id"], pushed["reason"]) == (sid_b, "closed") and "reply_to" not in pushed
+
+        async def closed_listed():
+            snaps = (await bob.request({"type": "sessions.list", "session_id": sid_b}))["sessions"]
+            return snaps and snaps[0]["closed"]
+
+        await until(closed_listed, 30, "the closed snapshot")
+        assert listed(await alice.request({"type": "sessions.list"})) == {sid_a}
+        status, body = await get(f"/dashboard/session.json?session={sid_b}&api_key={KEY_A}")
+        assert status == 404  # not live any more: its snapshot is still not another tenant's to read
+        status, body = await get(f"/dashboard/session.json?session={sid_b}&api_key={KEY_B}")
+        assert status == 200 and body["snapshot"]["closed"] is True
+        for peer in (alice, alice2, bob, ops, anon):
+            await peer.ws.close()
+
+    serve(tiny_engine, test, **tenants(snapshot_interval_s=0.1))
+
+
+def test_detached_sessions_count_against_their_key_and_the_oldest_goes_first(tiny_engine):
+    """A key's detached sessions hold its `sessions_per_key` slots; a new session at the quota
+    closes the key's oldest detached one (`session.created` names it in `evicted`, its watchers
+    get `session.closed` with reason `evicted`); newer ones stay resumable; with every slot
+    attached the key is refused; another key is not touched."""
+
+    async def test(url, server):
+        made = []
+        for _ in range(2):
+            peer = await raw(url, api_key=KEY_A)
+            created = await peer.request({"type": "session.create"})
+            made.append((created["session_id"], created["tokens"]["producer"]))
+            await peer.ws.close()
+            await until(lambda: server.directory.detached() == len(made), 10, "the session to be detached")
+        (s1, t1), (s2, t2) = made
+        assert server.directory.held("a") == 2  # detached, and still the key's
+        ops = await raw(url, api_key=KEY_OPS)
+        for sid in (s1, s2):
+            assert (await ops.request({"type": "subscribe", "session_id": sid}))["type"] == "subscribed"
+        alice = await raw(url, api_key=KEY_A)
+        created = await alice.request({"type": "session.create"})
+        assert created["type"] == "session.created" and created["evicted"] == [s1]  # the oldest first
+        pushed = await next_of(ops, "session.closed", 30)
+        assert (pushed["session_id"], pushed["reason"]) == (s1, "evicted")
+        s3 = created["session_id"]
+        assert server.directory.held("a") == 2 and server.resumer.counters["detached_evicted"] == 1
+        bob = await raw(url, api_key=KEY_B)
+        created_b = await bob.request({"type": "session.create"})
+        assert created_b["type"] == "session.created" and "evicted" not in created_b  # another key: untouched
+        check_error(await alice.request({"type": "session.resume", "session_id": s1, "token": t1}),
+                    "session_not_found")
+        # s2 (detached) and s3 (attached) hold the quota; the detached one makes room
+        created = await alice.request({"type": "session.create"})
+        assert created["evicted"] == [s2]
+        check_error(await alice.request({"type": "session.create"}), "too_many_sessions")  # all attached
+        await alice.still_serving(s3)
+        await bob.still_serving(created_b["session_id"])
+        for peer in (alice, bob, ops):
+            await peer.ws.close()
+
+    serve(tiny_engine, test, **tenants(sessions_per_key=2))
+
+
+def test_a_full_engine_closes_the_oldest_detached_session_first(tiny, engine_factory):
+    """At the engine's session limit a new session closes the oldest detached session on the
+    server, whoever's it is (its creator is not told another key's session id; its watchers get
+    `session.closed` `evicted`); with no detached session left the engine refuses."""
+    engine = engine_factory(tiny[0], max_sessions=3)
+
+    async def test(url, server):
+        made = []
+        for _ in range(2):
+            peer = await raw(url, api_key=KEY_A)
+            made.append(await peer.create())
+            await peer.ws.close()
+            await until(lambda: server.directory.detached() == len(made), 10, "the session to be detached")
+        ops = await raw(url, api_key=KEY_OPS)
+        assert (await ops.request({"type": "subscribe", "session_id": made[0]}))["type"] == "subscribed"
+        bob = await raw(url, api_key=KEY_B)
+        mine = [await bob.create()]  # the third slot
+        created = await bob.request({"type": "session.create"})
+        assert created["type"] == "session.created" and "evicted" not in created  # a's id is not b's to know
+        mine.append(created["session_id"])
+        pushed = await next_of(ops, "session.closed", 30)
+        assert (pushed["session_id"], pushed["reason"]) == (made[0], "evicted")
+        mine.append(await bob.create())  # made[1] goes
+        assert made[1] not in server.directory.sessions and server.resumer.counters["detached_evicted"] == 2
+        check_error(await bob.request({"type": "session.create"}), "too_many_sessions")  # nothing detached left
+        for sid in mine:
+            await bob.still_serving(sid)
+        await bob.ws.close()
+        await ops.ws.close()
+
+    serve(engine, test, **tenants(sessions_per_key=8))

@@ -103,6 +103,8 @@ CASES = {
     "bad-limit": Case(("serve", "--port", "0", "--store", "memory:", "--limit", "nope=1"), 2,
                       ("--limit", "'--limit help'")),
     "keys-file-missing": Case(("serve", "--api-keys-file", "{tmp}/no-keys.txt"), 2, ("no-keys.txt",)),
+    "keys-file-bad-role": Case(("serve", "--api-keys-file", "{tmp}/bad-role.txt"), 2,
+                               ("bad-role.txt:2", "unknown role 'admin'", "role=operator or role=tenant")),
     "demo-not-utf8": Case(("demo", "--file", "{tmp}/latin1.txt", "--model", "/nonexistent/model"), 2,
                           ("--file", "not UTF-8 text")),
 }
@@ -138,6 +140,7 @@ def results(tiny_engine, tokenizer, tmp_path_factory):
     (tmp / "big.png").write_bytes(encode_image("png", np.zeros((120, 160, 3), np.uint8)))
     keys = tmp / "keys.txt"
     keys.write_text(f"ci:{KEY}\n")
+    (tmp / "bad-role.txt").write_text(f"ci:{KEY} role=tenant\nops:{KEY}x role=admin\n")
     lm = build_tiny_model(tokenizer, seed=3)  # an engine of its own: it must see no session at all
     media_engine = Engine(ModelRunner(lm.model, tokenizer, lm.name)).start()
     busy = socket.socket()

@@ -72,7 +72,7 @@ def test_read_only_tokens_and_operator_credential(tiny_engine):
         listed = await operator.request({"type": "sessions.list"})
         assert listed["type"] == "sessions"
 
-    serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}))
+    serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}, {"ops": "operator"}))
 
 
 def get_json(url):
@@ -120,7 +120,7 @@ def test_first_paint_json_needs_a_token_or_a_key(tiny_engine):
         body = await until(listed, 30, "a snapshot in the session list")
         assert [s["session_id"] for s in body["sessions"]] == [sid]
 
-    serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}), snapshot_interval_s=0.1)
+    serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}, {"ops": "operator"}), snapshot_interval_s=0.1)
 
 
 @pytest.mark.embedded

@@ -160,7 +160,7 @@ def test_detached_session_expires(tiny_engine):
         await until(lambda: sid not in tiny_engine.sessions, 10, "the detached session to expire")
         assert server.resumer.counters["detached_expired"] == 1
         assert (await server.store.read_log(sid))[-1] == {**(await server.store.read_log(sid))[-1],
-                                                          "kind": "close", "reason": "detached"}
+                                                          "kind": "close", "reason": "expired"}
 
     serve(tiny_engine, run, detach_ttl_s=0.2)
 
