@@ -3,6 +3,7 @@
     python bench/fuzz.py                      # 100,000 inputs against the sans-I/O core
     python bench/fuzz.py --n 10000 --live 2000  # plus 2,000 over a real socket (tiny model)
     python bench/fuzz.py --n 0 --flood 100000   # invalid frames flooded at a server at default limits
+    python bench/fuzz.py --n 0 --store 5000     # appends while a private Redis is killed, emptied, stalled
 
 Inputs: well-formed messages built from the schemas, then mutated (fields dropped, added,
 retyped, oversized, unicode edge cases, deep nesting, extreme numbers), byte-level mutations
@@ -370,11 +371,230 @@ async def fuzz_flood(n: int, seed: int = 2, report=print, outcomes: dict | None 
     return sent, crashes
 
 
+class _Redis:
+    """A redis-server of the bench's own on a free port, without persistence (a restart is empty),
+    that the fault injector kills, stalls (SIGSTOP) and restarts."""
+
+    def __init__(self, tmp: str) -> None:
+        import shutil
+        import socket
+
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise SystemExit("--store needs redis-server (Debian package redis-server)")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.tmp, self.proc, self.stalled = tmp, None, False
+
+    def start(self) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
+                                      "--dir", self.tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def ready(self) -> None:
+        import socket
+
+        for _ in range(200):
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the bench's redis-server did not start")
+
+    def signal(self, sig) -> None:
+        import os
+
+        os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        if self.stalled:
+            self.signal(signal.SIGCONT)
+            self.stalled = False
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None = None) -> tuple[int, list[str]]:
+    """Store faults under a stream: a producer pipelines `n` appends (with client_seq, resending
+    from the first `store_unavailable` on, as the SDK does) while a second connection sends fuzzed
+    messages, and a private Redis is killed and restarted empty, or stalled, every ~1.5 s. The
+    oracle: every error is documented and none is `internal_error`; at the end every acked input
+    is in the log exactly once, in client_seq order; a second worker that replays the log
+    answers the question exactly as the first did."""
+    import os
+    import signal
+    import tempfile
+    from collections import OrderedDict
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+    from websockets.asyncio.client import connect
+
+    from streamer.server import ServerConfig, StreamerServer
+    from streamer.sessions.engine import Engine, EngineLimits
+    from streamer.sessions.models import build_tiny_model, embedded_model_dir
+    from streamer.sessions.runner import ModelRunner
+
+    codes = documented_codes()
+    outcomes = outcomes if outcomes is not None else {}
+    crashes: list[str] = []
+    rng = random.Random(seed)
+    tmp = tempfile.mkdtemp(prefix="streamer-fuzz-store-")
+    redis = _Redis(tmp)
+    redis.start()
+    await redis.ready()
+    url = f"redis://127.0.0.1:{redis.port}/0?socket_timeout=0.5&socket_connect_timeout=0.5"
+    lm = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=3, max_positions=4096)
+    engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name),
+                    EngineLimits(max_context_tokens=4096, max_answer_tokens=16, max_sessions=32)).start()
+    relaxed = dict(messages_per_s=1e6, messages_burst=10**6, refused_per_s=1e6, refused_burst=10**6)
+    a = await StreamerServer(engine, ServerConfig(port=0, store_url=url, worker_id="a", **relaxed)).start()
+    question = {"type": "query.create", "question": "What was the last row?", "max_tokens": 12, "stream": False}
+    faults = {"killed": 0, "stalled": 0}
+    done = asyncio.Event()
+
+    def note(event: dict, where: str) -> None:
+        key = event["error"]["code"] if event["type"] == "error" else event["type"]
+        outcomes[key] = outcomes.get(key, 0) + 1
+        if event["type"] == "error" and (key not in codes or key == "internal_error"):
+            crashes.append(f"store fuzz ({where}): error {key}: {event['error']['message']}")
+
+    async def inject() -> None:  # kill and restart empty, or stall, in turn
+        while not done.is_set():
+            await asyncio.sleep(rng.uniform(0.8, 2.0))
+            if done.is_set():
+                break
+            if rng.random() < 0.5:
+                redis.kill()
+                faults["killed"] += 1
+                await asyncio.sleep(rng.uniform(0.1, 0.6))
+                redis.start()
+                await redis.ready()
+            else:
+                redis.signal(signal.SIGSTOP)
+                redis.stalled = True
+                faults["stalled"] += 1
+                await asyncio.sleep(rng.uniform(0.3, 1.2))
+                redis.signal(signal.SIGCONT)
+                redis.stalled = False
+
+    async def fuzzer(ws, sid: str) -> None:  # fuzzed messages on their own session meanwhile
+        while not done.is_set():
+            await ws.send(generate(rng, [sid, sid, "nope"]))
+            try:
+                while True:
+                    note(json.loads(await asyncio.wait_for(ws.recv(), 0.02)), "fuzz")
+            except asyncio.TimeoutError:
+                pass
+
+    acked: dict[int, tuple[int, str]] = {}  # client_seq -> (seq, text)
+    unacked: OrderedDict[int, str] = OrderedDict()
+    try:
+        producer = await connect(f"ws://127.0.0.1:{a.port}", max_size=None)
+        while True:  # the store may be down already: retry the create like a client would
+            await producer.send(json.dumps({"type": "session.create", "event_id": "c"}))
+            created = json.loads(await producer.recv())
+            if created["type"] == "session.created":
+                break
+            await asyncio.sleep(0.2)
+        sid, token = created["session_id"], created["tokens"]["producer"]
+        fuzz_ws = await connect(f"ws://127.0.0.1:{a.port}", max_size=None)
+        await fuzz_ws.send(json.dumps({"type": "session.create", "event_id": "f"}))
+        fuzz_sid = json.loads(await fuzz_ws.recv()).get("session_id", "nope")
+        tasks = [asyncio.create_task(inject()), asyncio.create_task(fuzzer(fuzz_ws, fuzz_sid))]
+        inflight, resend, sent, next_seq = set(), False, 0, 1
+
+        async def send(cs: int) -> None:
+            nonlocal sent
+            await producer.send(json.dumps({"type": "input.text.append", "session_id": sid, "event_id": f"a{cs}",
+                                            "client_seq": cs, "text": unacked[cs]}))
+            inflight.add(cs)
+            sent += 1
+
+        while next_seq <= n or unacked:
+            if not resend:
+                while next_seq <= n and len(inflight) < 16:
+                    unacked[next_seq] = f" Row {next_seq}: {rng.choice(['calm', 'wind', 'rain', 'fog'])}."
+                    await send(next_seq)
+                    next_seq += 1
+            elif not inflight:  # every reply is in: resend from the first unacked, in order
+                await asyncio.sleep(0.1)
+                resend = False
+                for cs in list(unacked):
+                    await send(cs)
+            event = json.loads(await asyncio.wait_for(producer.recv(), 60))
+            note(event, "producer")
+            cs = int(event["reply_to"][1:]) if str(event.get("reply_to", "")).startswith("a") else None
+            if cs is None:
+                continue
+            inflight.discard(cs)
+            if event["type"] == "input.ack":
+                acked[cs] = (event.get("seq"), unacked.pop(cs, ""))
+            elif event["type"] == "error" and event["error"]["code"] == "store_unavailable":
+                resend = True
+            else:
+                crashes.append(f"store fuzz: append {cs} answered {event}")
+                unacked.pop(cs, None)
+            if report and cs % 1000 == 0 and event["type"] == "input.ack":
+                report(f"  store: {len(acked)}/{n} inputs acked, faults {faults}")
+        done.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if redis.stalled:
+            redis.signal(signal.SIGCONT)
+            redis.stalled = False
+        await producer.send(json.dumps({**question, "session_id": sid, "event_id": "q"}))
+        while (answer := json.loads(await asyncio.wait_for(producer.recv(), 60))).get("reply_to") != "q":
+            pass
+        log = await a.store.read_log(sid)
+        logged = [r["text"] for r in log if r["kind"] == "append"]
+        # inputs after a refused one are refused until it is resent: the log is in client_seq order
+        expected = [text for _, (_, text) in sorted(acked.items())]
+        if logged != expected:
+            crashes.append(f"store fuzz: the log holds {len(logged)} appends, {len(expected)} were acked; "
+                           f"first difference at {next((i for i, (x, y) in enumerate(zip(logged, expected)) if x != y), min(len(logged), len(expected)))}")
+        await producer.close()
+        await fuzz_ws.close()
+    finally:
+        done.set()
+        await a.stop()
+    b = await StreamerServer(engine, ServerConfig(port=0, store_url=url, worker_id="b")).start()
+    try:  # a second worker replays the log: the same session, the same answer
+        peer = await connect(f"ws://127.0.0.1:{b.port}", max_size=None)
+        await peer.send(json.dumps({"type": "session.resume", "session_id": sid, "token": token, "event_id": "r"}))
+        resumed = json.loads(await asyncio.wait_for(peer.recv(), 300))
+        if resumed["type"] != "session.resumed" or resumed["last_client_seq"] != n:
+            crashes.append(f"store fuzz: resume on a second worker gave {resumed}")
+        else:
+            await peer.send(json.dumps({**question, "session_id": sid, "event_id": "q"}))
+            while (again := json.loads(await asyncio.wait_for(peer.recv(), 60))).get("reply_to") != "q":
+                pass
+            if again.get("text") != answer.get("text"):
+                crashes.append(f"store fuzz: replayed answer {again.get('text')!r} != live {answer.get('text')!r}")
+        await peer.close()
+    finally:
+        await b.stop()
+        engine.stop()
+        redis.kill()
+    outcomes.update({f"faults_{k}": v for k, v in faults.items()})
+    outcomes["appends_sent"] = sent
+    return n, crashes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100_000, help="inputs against the protocol core")
     parser.add_argument("--live", type=int, default=0, help="inputs over a socket to a real server")
     parser.add_argument("--flood", type=int, default=0, help="invalid frames flooded at a server at default limits")
+    parser.add_argument("--store", type=int, default=0,
+                        help="appends streamed while a private Redis is killed, restarted empty and stalled")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
@@ -398,6 +618,15 @@ def main(argv: list[str] | None = None) -> int:
         print("  events: " + ", ".join(f"{k}={v}" for k, v in sorted(flood_outcomes.items(), key=lambda kv: -kv[1])))
         fuzzed += flooded
         crashes += flood_crashes
+    if args.store:
+        t3 = time.perf_counter()
+        store_outcomes: dict[str, int] = {}
+        stored, store_crashes = asyncio.run(fuzz_store(args.store, args.seed + 3, outcomes=store_outcomes))
+        print(f"store: {stored} acked inputs under store faults in {time.perf_counter() - t3:.1f} s, "
+              f"{len(store_crashes)} crashes")
+        print("  events: " + ", ".join(f"{k}={v}" for k, v in sorted(store_outcomes.items(), key=lambda kv: -kv[1])))
+        fuzzed += stored
+        crashes += store_crashes
     for crash in crashes[:20]:
         print(crash)
     print(f"RESULT fuzzed={fuzzed} crashes={len(crashes)}")

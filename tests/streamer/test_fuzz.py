@@ -6,7 +6,10 @@ import asyncio
 import importlib.util
 import sys
 import json
+import shutil
 from pathlib import Path
+
+import pytest
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,6 +42,19 @@ def test_live_fuzz(embedded):
     sent, crashes = asyncio.run(fuzz.fuzz_live(1000, seed=7, report=None, outcomes=outcomes))
     assert sent > 900 and crashes == [], crashes[:5]
     assert outcomes.get("input.ack", 0) + outcomes.get("state", 0) > 5, outcomes  # it reached the engine
+
+
+def test_store_fault_fuzz(embedded):
+    """Appends pipelined while a private Redis is killed, restarted empty and stalled, fuzzed
+    messages beside them: every acked input is logged once, in order, and replays to the same
+    answer on a second worker (the oracle is in bench/fuzz.py `fuzz_store`)."""
+    pytest.importorskip("redis")
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server (Debian package redis-server)")
+    outcomes = {}
+    acked, crashes = asyncio.run(fuzz.fuzz_store(1500, seed=11, report=None, outcomes=outcomes))
+    assert acked == 1500 and crashes == [], crashes[:5]
+    assert outcomes["faults_killed"] + outcomes["faults_stalled"] >= 2, outcomes  # the faults really ran
 
 
 json_values = st.recursive(
