@@ -11,6 +11,14 @@ attacker). The bystander holds a session and times `session.get` round trips and
 `input.text.append` acknowledgements. Prints p50/p99 per phase and their ratios, the junk frames
 sent and the connections the server closed for junk.
 Last line: `RESULT p50_flood_vs_idle=<x> p99_flood_vs_idle=<x> junk_frames=<n> junk_closed=<n>`.
+
+    python bench/fairness.py --flash          # a bystander's questions beside 96 long flash questions
+
+`--flash`: a loader (its own API key) runs 6 sessions x 16 flash questions of ~960 tokens, feeds a
+row into each every 0.2 s and asks a long question with each row; a bystander (another key)
+asks short questions, first on the idle server, then under that load. Prints each phase's
+latency and the engine-step figures from `query.done` timing. Last line:
+`RESULT flash_p99_vs_idle_p50=<x> max_step_tokens=<n> steps_waited_max=<n>`.
 """
 
 from __future__ import annotations
@@ -66,6 +74,115 @@ async def trips(peer, sid: str, n: int) -> list[float]:
     return out
 
 
+LONG = " ".join(f"Row {i} of the ledger lists cargo, weather and the crew on watch." for i in range(56))
+
+
+async def _ask(peer, sid: str, question: str) -> dict:
+    done = await peer.request({"type": "query.create", "session_id": sid, "question": question,
+                               "max_tokens": 8, "stream": False})
+    if done["type"] != "query.done":
+        raise RuntimeError(f"the bystander's question was refused: {done}")
+    return done
+
+
+async def flash_load(url: str, loader_key: str | None, bystander_key: str | None, idle_n: int = 5,
+                     loaded_n: int = 8, sessions: int = 6, flash_per_session: int = 16,
+                     question: str = "What did the keeper log last?") -> tuple[list[dict], list[dict], dict]:
+    """A bystander's questions (`query.done` events) on an idle server, then while a loader (its
+    own API key) runs `sessions` x `flash_per_session` flash questions of ~960 tokens, feeds a
+    row into each session every 0.2 s and asks a long question of its own with each row.
+    Returns (idle, loaded, the loader's pushed-event counts)."""
+    from wsutil import raw
+
+    bystander = await raw(url, bystander_key)
+    mine = await bystander.create()
+    await bystander.request({"type": "input.text.append", "session_id": mine,
+                             "text": "The keeper logged a storm at dawn and a calm sea by noon."})
+    idle = [await _ask(bystander, mine, question) for _ in range(idle_n)]
+    loader = await raw(url, loader_key)
+    sids = [await loader.create() for _ in range(sessions)]
+    for sid in sids:
+        await loader.request({"type": "input.text.append", "session_id": sid, "text": "Row 0: calm."})
+        for i in range(flash_per_session):
+            reg = await loader.request({"type": "flash.register", "session_id": sid, "max_tokens": 4,
+                                        "question": f"Question {i}: {LONG} What changed?"})
+            if reg["type"] != "flash.registered":
+                raise RuntimeError(f"flash registration refused: {reg}")
+    stop = asyncio.Event()
+    pushed = {"flash.updated": 0, "query.done": 0, "errors": 0}
+
+    async def feed() -> None:
+        row = 0
+        while not stop.is_set():
+            row += 1
+            for sid in sids:
+                await loader.send({"type": "input.text.append", "session_id": sid, "text": f" Row {row}: wind."})
+                await loader.send({"type": "query.create", "session_id": sid, "max_tokens": 16,
+                                   "question": f"{LONG[:1200]} Summarize row {row}."})
+            await asyncio.sleep(0.2)
+
+    async def drain() -> None:
+        while not stop.is_set():
+            try:
+                event = await loader.recv(timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
+            if event["type"] == "error":
+                pushed["errors"] += 1
+            elif event["type"] in pushed:
+                pushed[event["type"]] += 1
+
+    tasks = [asyncio.create_task(feed()), asyncio.create_task(drain())]
+    try:
+        while pushed["flash.updated"] < 1:  # the flash load is running
+            await asyncio.sleep(0.1)
+        loaded = [await _ask(bystander, mine, question) for _ in range(loaded_n)]
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    await loader.ws.close()
+    await bystander.ws.close()
+    return idle, loaded, pushed
+
+
+async def flash_main(args) -> int:
+    """`--flash`: the bystander's question latency beside 96 long flash questions."""
+    from transformers import AutoTokenizer
+
+    from streamer.auth import ApiKeys
+    from streamer.server import ServerConfig, StreamerServer
+    from streamer.sessions.engine import Engine, EngineLimits
+    from streamer.sessions.models import build_tiny_model, embedded_model_dir, load_model
+    from streamer.sessions.runner import ModelRunner
+
+    if args.model == "tiny":
+        lm = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=11, max_positions=4096)
+    else:
+        lm = load_model(args.model)
+    engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name), EngineLimits(max_context_tokens=4096)).start()
+    keys = ApiKeys({"loader": "bench-loader-key-0123", "bystander": "bench-bystander-key-0123"})
+    server = await StreamerServer(engine, ServerConfig(port=0, api_keys=keys)).start()
+    try:
+        idle, loaded, pushed = await flash_load(f"ws://127.0.0.1:{server.port}", "bench-loader-key-0123",
+                                                "bench-bystander-key-0123", args.questions, args.questions)
+    finally:
+        await server.stop()
+        engine.stop()
+    for name, phase in (("idle", idle), ("loaded", loaded)):
+        totals = [q["timing"]["total_ms"] for q in phase]
+        print(f"{name:7s} total_ms p50 {percentile(totals, 0.5):8.1f}  p99 {percentile(totals, 0.99):8.1f}  "
+              f"steps max {max(q['timing']['steps'] for q in phase)}  "
+              f"steps_waited max {max(q['timing']['steps_waited'] for q in phase)}  "
+              f"max_step_tokens max {max(q['timing']['max_step_tokens'] for q in phase)}")
+    print(f"loader: {pushed}")
+    i50 = percentile([q["timing"]["total_ms"] for q in idle], 0.5)
+    l99 = percentile([q["timing"]["total_ms"] for q in loaded], 0.99)
+    print(f"RESULT flash_p99_vs_idle_p50={l99 / i50:.2f} "
+          f"max_step_tokens={max(q['timing']['max_step_tokens'] for q in loaded)} "
+          f"steps_waited_max={max(q['timing']['steps_waited'] for q in loaded)}")
+    return 0
+
+
 async def main_async(args) -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from transformers import AutoTokenizer
@@ -116,7 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trips", type=int, default=300, help="bystander round trips per phase")
     parser.add_argument("--flooders", type=int, default=2, help="flooding client processes")
-    return asyncio.run(main_async(parser.parse_args(argv)))
+    parser.add_argument("--flash", action="store_true",
+                        help="instead: a bystander's questions beside 96 long flash questions of another key")
+    parser.add_argument("--questions", type=int, default=30, help="--flash: bystander questions per phase")
+    parser.add_argument("--model", default="tiny", help="--flash: tiny (the edge and scheduler) or a model spec")
+    args = parser.parse_args(argv)
+    if args.flash:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        return asyncio.run(flash_main(args))
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
