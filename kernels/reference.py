@@ -120,10 +120,15 @@ def ranges_attention(
     scale = dim ** -0.5 if scaling is None else scaling
     parts = [_partial_attention(query, k[:, :length], v[:, :length], None, scale)
              for k, v, length in ranges if length > 0]
-    if own_start > 0:
-        parts.append(_partial_attention(query, own_k[:, :own_start], own_v[:, :own_start], None, scale))
     end = own_start + n
-    parts.append(_causal_partial(query, own_k[:, own_start:end], own_v[:, own_start:end], scale))
+    if n == 1:  # decode: the one new query sees its whole own cache, itself included: no mask
+        parts.append(_partial_attention(query, own_k[:, :end], own_v[:, :end], None, scale))
+    else:
+        if own_start > 0:
+            parts.append(_partial_attention(query, own_k[:, :own_start], own_v[:, :own_start], None, scale))
+        parts.append(_causal_partial(query, own_k[:, own_start:end], own_v[:, own_start:end], scale))
+    if len(parts) == 1:
+        return parts[0][0].transpose(0, 1)
     return merge_partials(parts).transpose(0, 1)
 
 
