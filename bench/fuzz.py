@@ -571,7 +571,11 @@ async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None 
         await peer.send(json.dumps({"type": "session.resume", "session_id": sid, "token": token, "event_id": "r"}))
         resumed = json.loads(await asyncio.wait_for(peer.recv(), 300))
         if resumed["type"] != "session.resumed" or resumed["last_client_seq"] != n:
-            crashes.append(f"store fuzz: resume on a second worker gave {resumed}")
+            log = await b.store.read_log(sid)
+            kinds = [r["kind"] for r in log]
+            crashes.append(f"store fuzz: resume on a second worker gave {resumed}; the log holds {len(log)} "
+                           f"records, first {kinds[:1]}, {kinds.count('close')} close, "
+                           f"{kinds.count('void')} void; counters {a.events.counters}")
         else:
             await peer.send(json.dumps({**question, "session_id": sid, "event_id": "q"}))
             while (again := json.loads(await asyncio.wait_for(peer.recv(), 60))).get("reply_to") != "q":

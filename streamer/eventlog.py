@@ -41,7 +41,7 @@ from streamer.sessions.errors import Code, EngineError
 
 from .directory import Directory
 from .records import Create, Record, Void
-from .store import Conflict, Store, StoreError, StoreLost
+from .store import Conflict, LogGap, Store, StoreError, StoreLost
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,9 @@ class LogWriter:
             except StoreLost:
                 await self.relog(sid, pipe)
                 await self.store.append(sid, data, n=n, rid=rid)
+            except LogGap:  # an earlier re-write was cut off: finish it
+                await self.relog(sid, pipe, cut_off=True)
+                await self.store.append(sid, data, n=n, rid=rid)
         except (StoreError, OSError, ConnectionError) as exc:
             self.counters["log_errors"] += 1
             log.error("could not log %s on session %s: %s", data.get("kind"), sid, exc)
@@ -123,16 +126,23 @@ class LogWriter:
             return
         pipe.mirror.append((n, rid, record))
 
-    async def relog(self, sid: str, pipe: Pipe) -> None:
-        """The store lost the session: claim it again and write its log back from memory."""
+    async def relog(self, sid: str, pipe: Pipe, cut_off: bool = False) -> None:
+        """The store lost the session: claim it again and write its log back from memory.
+        `cut_off`: a re-write that the store's next failure interrupted (the log is shorter
+        than this worker wrote, and still ours): write the rest."""
         if pipe.mirror is None:
             raise unavailable(f"the store lost the log of session {sid} and its copy here is over "
                               f"{self.relog_max_bytes} bytes; close and recreate the session", recoverable=False)
-        owner = await self.store.claim(sid)
-        if owner is not None:
-            raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
+        have = 0
+        if cut_off:
+            have = await self.store.log_length(sid)  # positions 1..have hold our records (appends are ours alone)
+        else:
+            owner = await self.store.claim(sid)
+            if owner is not None:
+                raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
         for n, rid, record in pipe.mirror:
-            await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
+            if n > have:
+                await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
         self.counters["relogged"] += 1
         log.warning("the store lost session %s: re-claimed and re-wrote its %d records", sid, len(pipe.mirror))
 

@@ -31,7 +31,7 @@ import time
 
 import redis.asyncio as redis
 
-from .store import DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, NotOwner, Store, StoreError, StoreLost
+from .store import DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, LogGap, NotOwner, Store, StoreError, StoreLost
 
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
 
@@ -130,7 +130,7 @@ class RedisStore(Store):
             raise Conflict(f"position {n} of the log of session {session_id} holds record {out[1] or '?'}",
                            out[1] or None)
         if code == -3:
-            raise Conflict(f"log of session {session_id} has {out[1]} records; cannot write position {n}")
+            raise LogGap(f"log of session {session_id} has {out[1]} records; cannot write position {n}")
         return code
 
     async def _do(self, awaitable):

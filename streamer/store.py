@@ -58,6 +58,11 @@ class Conflict(StoreError):
         self.holder = holder
 
 
+class LogGap(Conflict):
+    """The log is shorter than the position written: a re-write of a lost log was cut off (the
+    store failed again meanwhile). The event log finishes that re-write from memory."""
+
+
 class Store:
     """The interface, and the in-process implementation (nothing survives the process)."""
 
@@ -295,7 +300,7 @@ def _check_position(session_id: str, n: int, rid: str | None, length: int, rid_a
     """Idempotent writes by (session, n): raise Conflict unless position n is free and next, or
     already holds record `rid`."""
     if n > length + 1:
-        raise Conflict(f"log of session {session_id} has {length} records; cannot write position {n}")
+        raise LogGap(f"log of session {session_id} has {length} records; cannot write position {n}")
     if n <= length:
         holder = rid_at()
         if rid is None or holder != rid:
