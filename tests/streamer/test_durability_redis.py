@@ -139,3 +139,40 @@ def test_redis_going_away_costs_acks_not_the_server(tiny_engine, tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_cut_off_rewrite_of_a_lost_log_is_finished(tiny_engine, redis_url):
+    """Redis came back empty and the worker's re-write of the log was cut off by the next fault
+    (simulated: the stream loses its last records while the owner entry stays): the next write
+    finds the gap, writes the missing records from memory and then its own; nothing is lost and a
+    second worker replays the whole log."""
+
+    async def first(url, server):
+        peer = await raw(url)
+        created = await peer.request({"type": "session.create", "system_prompt": SYSTEM})
+        sid = created["session_id"]
+        await stream(peer, sid, CHUNKS[:3])
+        store = server.store
+        key = store.key("log", sid)
+        entries = await store.redis.xrange(key)
+        await store.redis.delete(key)  # a re-write that stopped after two records
+        for entry_id, fields in entries[:2]:
+            await store.redis.xadd(key, fields, id=entry_id)
+        assert len(await store.read_log(sid)) == 2
+        ack = await peer.request({"type": "input.text.append", "session_id": sid, "text": CHUNKS[3], "client_seq": 4})
+        assert ack["type"] == "input.ack" and ack["seq"] == 4, ack
+        records = await store.read_log(sid)
+        assert [r["kind"] for r in records] == ["create"] + ["append"] * 4
+        assert [r["text"] for r in records[1:]] == CHUNKS[:4]
+        return created
+
+    created = serve(tiny_engine, first, store_url=redis_url)
+
+    async def second(url, server):
+        peer = await raw(url)
+        resumed = await peer.request({"type": "session.resume", "session_id": created["session_id"],
+                                      "token": created["tokens"]["producer"]})
+        assert resumed["type"] == "session.resumed" and resumed["last_client_seq"] == 4, resumed
+        assert resumed["replayed_records"] == 5
+
+    serve(tiny_engine, second, store_url=redis_url)
