@@ -68,6 +68,7 @@ class Observation:
     tokens: int = 0
     frames: list[int] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    appended: object = None  # the engine's AppendResult when the encoder put the frame into the session's cache
 
 
 class VisionEncoder(ABC):

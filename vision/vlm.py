@@ -435,6 +435,49 @@ class QwenVLEncoder(VisionEncoder):
         self.stream.spans.clear()
 
 
+class EngineFrameEncoder(VisionEncoder):
+    """The video path of a session on an engine whose model is a VLM: each frame is patched and
+    run through the model's vision tower on the stream's thread, then read into the session's
+    own reading cache by the engine (`append_frame`: a prefill job of embeddings, batched with
+    other sessions), preceded by its media time as text (`[12.5s] `). `encode` returns when the
+    frame is in the cache, so the stream's newest-frame-wins slot drops frames while the engine
+    is behind. `engine` is the media path's logged engine (frames are logged as blobs)."""
+
+    name = "engine-vl"
+    appends_text = False
+
+    def __init__(self, engine, session_id: str, frame_tokens: int = 256, max_pixels: int = 4096 * 4096) -> None:
+        self.engine = engine
+        self.session_id = session_id
+        self.frame_tokens = frame_tokens
+        self.max_pixels = max_pixels
+        self.runner = engine.runner
+        self.frames = 0
+        self.visual_tokens = 0
+
+    def encode(self, frames: Sequence[Frame]) -> list[Observation]:
+        from streamer.sessions.multimodal import frame_input
+
+        out = []
+        for frame in frames:
+            if frame.height * frame.width > self.max_pixels:
+                raise MediaTooLarge(f"frame of {frame.width}x{frame.height} pixels exceeds {self.max_pixels} pixels")
+            label = f"[{frame.pts:.1f}s] "
+            item = frame_input(self.runner.vl, frame.image, self.frame_tokens, self.runner.tokenize(label), frame.pts)
+            result = self.engine.append_frame(self.session_id, item, f"[frame {frame.pts:.2f}s]",
+                                              frame_tokens=self.frame_tokens, label=label).result()
+            self.frames += 1
+            self.visual_tokens += item.visual_tokens
+            out.append(Observation(start_s=frame.pts, end_s=frame.pts, ts=frame.ts, tokens=item.visual_tokens,
+                                   frames=[frame.index], events=["evicted"] if result.evicted_seqs else [],
+                                   appended=result))
+        return out
+
+    def state(self) -> dict:
+        return {"encoder": self.name, "frames": self.frames, "visual_tokens": self.visual_tokens,
+                "frame_tokens": self.frame_tokens}
+
+
 def vlm_encoder_factory(model: torch.nn.Module, tokenizer=None, *, frame_tokens: int = 256,
                         window: Window | None = Window(), prompt: Sequence[int] | str | None = None,
                         system_prompt: str | None = None, max_pixels: int = 4096 * 4096):
@@ -489,6 +532,7 @@ class TinyVLMConfig:
     max_positions: int = 4096
     vision_hidden: int = 32
     vision_depth: int = 2
+    eos_token_id: int | None = None  # default: the top id
     extra: dict = field(default_factory=dict)
 
 
@@ -505,7 +549,8 @@ def build_tiny_vlm(config: TinyVLMConfig | None = None, dtype: torch.dtype = tor
     text = {"vocab_size": v, "hidden_size": config.hidden, "intermediate_size": config.hidden * 2,
             "num_hidden_layers": config.layers, "num_attention_heads": config.heads,
             "num_key_value_heads": config.kv_heads, "max_position_embeddings": config.max_positions,
-            "bos_token_id": None, "eos_token_id": v - 1, "pad_token_id": None,
+            "bos_token_id": None, "pad_token_id": None,
+            "eos_token_id": v - 1 if config.eos_token_id is None else config.eos_token_id,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}}
     vision = {"depth": config.vision_depth, "hidden_size": config.vision_hidden,
               "intermediate_size": config.vision_hidden * 2, "num_heads": 2, "out_hidden_size": config.hidden,
@@ -515,6 +560,26 @@ def build_tiny_vlm(config: TinyVLMConfig | None = None, dtype: torch.dtype = tor
                            vision_start_token_id=v - 4, vision_end_token_id=v - 3, **config.extra)
     torch.manual_seed(config.seed)
     return Qwen2_5_VLForConditionalGeneration(cfg).to(dtype).eval()
+
+
+VL_SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>",
+                     "<|vl_unused_0|>", "<|vl_unused_1|>")  # at the top of the vocabulary, as build_tiny_vlm wants
+
+
+def build_tiny_vl(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2):
+    """A tiny seeded random Qwen2.5-VL that runs on the engine with a real text tokenizer (the
+    embedded one): the vision special tokens are added to the tokenizer, and the vocabulary is
+    the tokenizer's. Loads in a second; the same seed gives the same weights in every process."""
+    from streamer.sessions.models import LoadedModel
+
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VL_SPECIAL_TOKENS)})
+    ids = tokenizer.convert_tokens_to_ids(list(VL_SPECIAL_TOKENS))
+    if ids != list(range(len(tokenizer) - len(ids), len(tokenizer))):
+        raise ValueError(f"the tokenizer already has some of {VL_SPECIAL_TOKENS}; use a fresh one")
+    config = TinyVLMConfig(seed=seed, vocab=len(tokenizer), layers=layers, max_positions=8192,
+                           eos_token_id=tokenizer.eos_token_id)
+    model = build_tiny_vlm(config, dtype)
+    return LoadedModel(model, tokenizer, f"tiny-vl-{layers}x{config.hidden}-seed{seed}")
 
 
 def load_vlm(spec: str, dtype: str | torch.dtype = "float32",
