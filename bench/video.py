@@ -19,7 +19,8 @@ Measured in one process:
 The weights are random and tiny: the numbers are the path's overhead (patching, vision tower,
 prefill, batching), not a real model's cost.
 
-Run: python bench/video.py [--frames 8] [--seconds 6] [--frame-tokens 64] [--threads 1] [--no-pacing]
+Run: python bench/video.py [--frames 8] [--seconds 6] [--frame-tokens 64] [--threads 1] [--step-tokens 512]
+     [--repeat 3] [--no-pacing]
 The last line is `RESULT vl_batched16_vs_serial=<x> drop_2fps=<n> cut_error_s=<x> vl_flash_staleness_p50_s=<x>`.
 """
 
@@ -70,9 +71,9 @@ def open_sessions(core: EngineCore, n: int) -> list[str]:
     return sids
 
 
-def ingest_rate(runner: ModelRunner, sessions: int, frames: list, batched: bool) -> float:
+def ingest_rate(runner: ModelRunner, sessions: int, frames: list, batched: bool, step_tokens: int = 512) -> float:
     """Frames/s through the engine for `sessions` sessions taking `frames` each."""
-    core = EngineCore(runner, EngineLimits(kv_budget_bytes=256 << 20))
+    core = EngineCore(runner, EngineLimits(kv_budget_bytes=256 << 20, step_tokens=step_tokens))
     sids = open_sessions(core, sessions)
     started = time.perf_counter()
     if batched:
@@ -196,6 +197,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="length of each live run")
     parser.add_argument("--frame-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--step-tokens", type=int, default=512, help="engine step budget (default: the engine's)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each rate measurement; the best counts")
     parser.add_argument("--no-pacing", action="store_true", help="skip the describer's pacing run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -207,11 +210,12 @@ def main() -> None:
               for k in range(args.frames)]
     tower_ms = (time.perf_counter() - started) / len(frames) * 1000
     print(f"tiny-vl ({loaded.name}), {frames[0].visual_tokens} visual tokens per frame "
-          f"({len(frames[0].ids)} tokens with label and markers); patching + vision tower {tower_ms:.1f} ms per frame")
+          f"({len(frames[0].ids)} tokens with label and markers); patching + vision tower {tower_ms:.1f} ms per frame; "
+          f"step budget {args.step_tokens} tokens; best of {args.repeat}")
     ratio16 = float("nan")
     for n in (1, 4, 16):
-        serial = ingest_rate(runner, n, frames, batched=False)
-        batched = ingest_rate(runner, n, frames, batched=True)
+        serial = max(ingest_rate(runner, n, frames, False, args.step_tokens) for _ in range(args.repeat))
+        batched = max(ingest_rate(runner, n, frames, True, args.step_tokens) for _ in range(args.repeat))
         print(f"  {n:2d} sessions: {batched:7.1f} frames/s batched, {serial:7.1f} one at a time "
               f"({batched / serial:.2f}x)")
         if n == 16:
