@@ -209,3 +209,39 @@ def test_a_text_model_worker_refuses_to_replay_frames(tmp_path, tiny):
     eng = Engine(tiny[0])
     with pytest.raises(ReplayError, match="reads no images"):
         Frame(text="frame", blob="0" * 64, frame_tokens=16).apply(eng, "s")
+
+
+def test_a_restarted_server_resumes_a_video_session_with_the_same_answer(engine, tmp_path):
+    """session.resume on a second server over the same store directory replays the frames from
+    their blobs and answers the same question the same way."""
+    store = str(tmp_path / "state")
+    question = "Which colour came last?"
+    media = MediaConfig(frame_tokens=FRAME_TOKENS, window_tokens=None)
+
+    async def first(url, server):
+        peer = await raw(url)
+        created = await peer.request({"type": "session.create"})
+        sid = created["session_id"]
+        await stream_video(peer, sid, encode_video("mp4", seconds=2.0), seed=5)
+        seen = 0
+        while seen < 4:
+            seen += (await peer.recv(120))["type"] == "media.observation"
+        await peer.send({"type": "query.create", "session_id": sid, "question": question, "max_tokens": 8})
+        return created, (await peer.until("query.done"))[-1]
+
+    created, answer = serve(engine, first, store_url=store, media=media)
+    sid = created["session_id"]
+    assert sid not in engine.sessions
+
+    async def second(url, server):
+        peer = await raw(url)
+        resumed = await peer.request({"type": "session.resume", "session_id": sid,
+                                      "token": created["tokens"]["producer"]})
+        assert resumed["type"] == "session.resumed", resumed
+        assert resumed["session"]["frames"] == 4 and resumed["replayed_records"] >= 4
+        await peer.send({"type": "query.create", "session_id": sid, "question": question, "max_tokens": 8})
+        again = (await peer.until("query.done"))[-1]
+        assert (again["text"], again["data_version"]) == (answer["text"], answer["data_version"])
+        await peer.request({"type": "session.close", "session_id": sid})
+
+    serve(engine, second, store_url=store, media=media)
