@@ -98,12 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "'--limit help' lists them with their values)")
     _durability_args(serve)
     serve.add_argument("--no-media", action="store_true", help="refuse binary media frames")
-    serve.add_argument("--video-encoder", default="describer", metavar="SPEC",
-                       help="on a text model: 'describer' (frame statistics as text, no weights), 'tiny' (a "
-                            "random-weight Qwen2.5-VL beside the text model: plumbing only) or a Qwen2.5-VL checkpoint "
-                            "id or directory; ignored when --model is a Qwen2.5-VL (it reads the frames itself; "
-                            "default: %(default)s)")
-    serve.add_argument("--frame-tokens", type=positive_int, default=256, help="VLM visual tokens per frame (default: %(default)s)")
+    serve.add_argument("--frame-tokens", type=positive_int, default=256,
+                       help="visual tokens per video frame when --model is a Qwen2.5-VL (default: %(default)s)")
     serve.add_argument("--sample-fps", type=positive_float, default=2.0,
                        help="video frames per second of media time handed to the encoder (default: %(default)s)")
     serve.add_argument("--media-window", type=nonnegative_int, default=4096, metavar="TOKENS",
@@ -257,7 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     engine = _build_engine(args, limits)
     try:
-        config.media = _media_config(args, vl_engine=engine.runner.vl is not None)
+        config.media = _media_config(args)
         asyncio.run(run_server(engine, config,
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
     except StoreError as exc:  # e.g. Redis went away between the check and the start
@@ -270,21 +266,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _media_config(args: argparse.Namespace, vl_engine: bool = False):
-    """Media settings from the serve flags (None: media off)."""
+def _media_config(args: argparse.Namespace):
+    """Media settings from the serve flags (None: media off). On a Qwen2.5-VL model the engine
+    reads the frames itself; on a text model the frame describer turns them into text."""
     if args.no_media:
         return None
     from streamer.media import MediaConfig
     from streamer.vision.ingest import VideoConfig
 
-    encoder = None
-    if args.video_encoder != "describer" and not vl_engine:
-        from streamer.vision.vlm import vlm_factory_from_spec
-
-        encoder = vlm_factory_from_spec(args.video_encoder, frame_tokens=args.frame_tokens, dtype=args.dtype,
-                                        device=args.device)
-    return MediaConfig(video=VideoConfig(sample_fps=args.sample_fps), video_encoder=encoder,
-                       frame_tokens=args.frame_tokens, window_tokens=args.media_window or None)
+    return MediaConfig(video=VideoConfig(sample_fps=args.sample_fps), frame_tokens=args.frame_tokens,
+                       window_tokens=args.media_window or None)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ class MediaConfig:
     """Media settings of the server, with their defaults."""
 
     video: Any = None  # streamer.vision.ingest.VideoConfig; None: its defaults
-    video_encoder: Callable[[], Any] | None = None  # a VisionEncoder factory; None: the frame describer
+    video_encoder: Callable[[], Any] | None = None  # a VisionEncoder factory (text model); None: the frame describer
     audio: dict = field(default_factory=dict)  # keyword arguments for streamer.vision.audio.AudioStream
     max_backlog: int = 8  # pieces of one stream queued before the receive loop waits for them
     frame_tokens: int = 256  # visual tokens per frame when the engine's model is a VLM (frames go into its cache)

@@ -220,3 +220,50 @@ def test_text_models_refuse_frames_and_vl_sessions_refuse_thinking(vl, tiny):
 
     with pytest.raises(InvalidRequest):
         thinking.configure_command(core, vsid, {"mode": "dual"})
+
+
+def test_positions_and_logits_do_not_depend_on_how_text_is_split_around_frames(vl):
+    loaded, _ = vl
+    core = make_core(loaded)
+    img = picture(5, 120, 80)
+    ends = []
+    for pieces in (["a b c d"], ["a", " b", " c d"]):
+        sid = open_session(core)
+        for piece in pieces:
+            jobs.append(core, sid, piece)
+        add_frame(core, sid, img, 0.0)
+        jobs.append(core, sid, " e f")
+        core.run_until_idle()
+        ends.append(core.sessions[sid])
+    a, b = ends
+    assert a.context_ids() == b.context_ids()  # the same tokens (each piece tokenized alone splits the same here)
+    assert (a.next_position, a.cache.length) == (b.next_position, b.cache.length)
+    assert (a.last_logits - b.last_logits).abs().max().item() <= TOL
+
+
+def test_a_long_video_stays_within_its_window_and_positions_and_still_answers(vl):
+    """Far more frames than the window holds (a vision bound and the whole bound): the cache
+    never passes its bound, the next position stays below the cache length, the sinks stay, and
+    a question is still answered."""
+    loaded, _ = vl
+    core = make_core(loaded)
+    window = {"max_tokens": 240, "sink_inputs": 1, "vision_tokens": 120}
+    sid = open_session(core, window)
+    jobs.append(core, sid, "The camera looks at the door.")
+    core.run_until_idle()
+    s = core.sessions[sid]
+    sink = s.chunks[0].seq
+    peak = 0
+    for k in range(40):
+        add_frame(core, sid, picture(40 + k, 64, 96), k * 0.5)
+        if k % 5 == 0:
+            jobs.append(core, sid, f" note {k}")
+        core.run_until_idle()
+        peak = max(peak, s.cache.length)
+        assert s.next_position <= s.cache.length
+    assert peak <= window["max_tokens"] and s.window.slides > 5
+    assert s.chunks[0].seq == sink and s.frames == 40
+    assert sum(len(c.tokens) for c in s.chunks[1:] if c.extent is not None) <= window["vision_tokens"]
+    fut = query(core, sid, "Who came in?", SamplingParams(max_tokens=6))
+    core.run_until_idle()
+    assert len(fut.result().tokens) >= 1 and torch.isfinite(s.last_logits).all()

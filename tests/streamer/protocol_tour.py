@@ -499,19 +499,6 @@ async def media_servers(rec: Recorder, engine) -> None:
             await peer.close()
         finally:
             await server.stop()
-    from streamer.vision.vlm import Window, vlm_factory_from_spec
-
-    vlm = vlm_factory_from_spec("tiny", frame_tokens=16, window=Window())
-    server, url = await started(engine, media=MediaConfig(video_encoder=vlm))
-    try:  # the VLM path: visual tokens in the encoder's own cache, no text appended
-        peer = await Peer.open(rec, url)
-        sid = (await peer.ok({"type": "session.create"}, "session.created"))["session_id"]
-        await peer.send(media(sid, "image", "png", 0, picture))
-        observed = await peer.of("media.observation")
-        assert observed["visual_tokens"] > 0 and "text" not in observed, observed
-        await peer.close()
-    finally:
-        await server.stop()
 
 
 async def vl_engine(rec: Recorder) -> None:
