@@ -45,10 +45,15 @@ class VLParts:
     def head(self) -> torch.nn.Module:
         return self.model.lm_head
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The token embedding table: its device and dtype are the inputs' (linear layers may
+        be packed into another weight format, the embeddings never are)."""
+        return self.lm.embed_tokens.weight
+
     def embed(self, ids) -> torch.Tensor:
         """Token embeddings `[n, hidden]` of `ids`."""
-        device = self.model.lm_head.weight.device
-        return self.lm.embed_tokens(torch.as_tensor(list(ids), dtype=torch.long, device=device))
+        return self.lm.embed_tokens(torch.as_tensor(list(ids), dtype=torch.long, device=self.weight.device))
 
 
 def vl_parts(model: torch.nn.Module) -> VLParts | None:
@@ -110,7 +115,7 @@ def frame_input(parts: VLParts, image: np.ndarray, max_tokens: int, label_ids: l
     spec = PatchSpec.from_config(model.config.vision_config)
     image = fit_frame(image, max_tokens, spec)
     pixels, grid = patchify(image, max_tokens, spec)
-    param = parts.head.weight
+    param = parts.weight
     grid_thw = torch.tensor([grid], device=param.device)
     out = model.model.get_image_features(pixels.to(param.device, param.dtype), grid_thw)
     vision = torch.cat(out.pooler_output).to(param.dtype)
