@@ -334,6 +334,8 @@ class ReviseJob(PrefillJob):
     def begin(self, after: PrefillJob | None = None) -> None:
         s = self.session
         first = s.tail_from(self.from_seq)
+        if any(c.extent is not None for c in s.chunks[first:]):  # before any eviction: a refusal changes nothing
+            raise InvalidRequest(f"session {s.id}: a revise cannot replace a frame (revise text after the last frame)")
         bound = s.context_window if s.window is None else s.window.max_tokens
         if s.window is not None:  # a longer tail evicts older input first (never the tail itself)
             from .window import evict, evict_seqs
@@ -344,8 +346,6 @@ class ReviseJob(PrefillJob):
             if s.cache.length + grow > bound:
                 first -= len(evict(s, bound - grow, limit=first))
         tail = s.chunks[first:]
-        if any(c.extent is not None for c in tail):
-            raise InvalidRequest(f"session {s.id}: a revise cannot replace a frame (revise text after the last frame)")
         base = tail[0].start
         if base + len(self.tokens) > bound:
             raise ContextOverflow(

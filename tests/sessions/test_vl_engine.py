@@ -267,3 +267,39 @@ def test_a_long_video_stays_within_its_window_and_positions_and_still_answers(vl
     fut = query(core, sid, "Who came in?", SamplingParams(max_tokens=6))
     core.run_until_idle()
     assert len(fut.result().tokens) >= 1 and torch.isfinite(s.last_logits).all()
+
+
+def test_revising_text_after_a_frame_equals_writing_it_so_and_a_frame_cannot_be_revised(vl):
+    loaded, _ = vl
+    core = make_core(loaded)
+    img = picture(9, 80, 120)
+    a, b = open_session(core), open_session(core)
+    for sid, text in ((a, " the door is shut"), (b, " the door is open")):
+        add_frame(core, sid, img, 0.0)
+        jobs.append(core, sid, text)
+    core.run_until_idle()
+    fut = jobs.revise(core, a, " the door is open")
+    core.run_until_idle()
+    assert fut.result().replaced_seqs == [2]
+    sa, sb = core.sessions[a], core.sessions[b]
+    assert sa.context_ids() == sb.context_ids() and sa.next_position == sb.next_position
+    assert (sa.last_logits - sb.last_logits).abs().max().item() <= TOL
+    bad = jobs.revise(core, a, "no frame", from_seq=1)
+    core.run_until_idle()
+    with pytest.raises(InvalidRequest, match="cannot replace a frame"):
+        bad.result()
+    assert sa.context_ids() == sb.context_ids()  # refused: nothing changed
+
+
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
+def test_a_vlm_with_packed_linear_layers_reads_frames(weights):
+    from streamer.app import build_runner
+
+    runner = build_runner("tiny-vl", weights=weights)
+    assert runner.weights.format == weights
+    core = EngineCore(runner, EngineLimits(kv_budget_bytes=16 << 20))
+    sid = open_session(core)
+    add_frame(core, sid, picture(3, 64, 64), 0.0)
+    fut = query(core, sid, "What is it?", SamplingParams(max_tokens=3))
+    core.run_until_idle()
+    assert fut.result().tokens and torch.isfinite(core.sessions[sid].last_logits).all()
