@@ -77,8 +77,12 @@ def test_video_flash_and_query_on_the_vl_engine(engine):
     from streamer.sessions.multimodal import blob_frame
 
     async def test(url, server):
-        peer = await raw(url)
-        sid = await peer.create()
+        peer, watcher = await raw(url), await raw(url)
+        created = await peer.request({"type": "session.create"})
+        sid = created["session_id"]
+        subscribed = await watcher.request({"type": "subscribe", "session_id": sid,
+                                            "token": created["tokens"]["subscriber"]})
+        assert subscribed["type"] == "subscribed", subscribed
         reg = await peer.request({"type": "flash.register", "session_id": sid, "question": "What is on screen?",
                                   "max_tokens": 4})
         assert reg["type"] == "flash.registered", reg
@@ -110,6 +114,8 @@ def test_video_flash_and_query_on_the_vl_engine(engine):
             await asyncio.sleep(0.2)
         assert state["flash"][0]["data_version"] == versions[-1]
         assert state["flash"][0]["media_s"] == obs[-1]["start_s"]
+        pushed = await next_of(watcher, "flash.updated", 60)  # subscribers get the same answers
+        assert (pushed["data_version"], pushed["media_s"]) == (flashes[0]["data_version"], flashes[0]["media_s"])
         assert state["flash"][0]["evaluations"] >= 2
         question = "What happened in the video?"
         await peer.send({"type": "query.create", "session_id": sid, "question": question, "max_tokens": 8})
