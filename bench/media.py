@@ -12,14 +12,14 @@ behind a real websocket server:
 - lag: JPEG pictures sent live at 2 and 10 fps, each a new scene (worst case: every picture
   becomes an observation appended to the cache), from the capture timestamp to the
   `media.observation` event that says it is in the cache; newest-frame-wins drops counted;
-- the tiny random-weight Qwen2.5-VL path (bench/media_vlm.py): frames/s, incremental versus
-  stateless re-reading, and its own lag at 2 and 10 fps;
+- the tiny random-weight Qwen2.5-VL on the engine (bench/video.py, with --vlm): frames/s of 16
+  sessions batched vs one at a time;
 - audio real-time factor (bench/media_audio.py): seconds of speech per second of processing.
 
 Torch runs on one thread by default (--threads): on a machine shared with other work, two
 threads that wait on each other were ~8x slower per append than one here.
 
-Run: python bench/media.py [--video-seconds 30] [--lag-seconds 10] [--audio-seconds 20] [--skip-vlm]
+Run: python bench/media.py [--video-seconds 30] [--lag-seconds 10] [--audio-seconds 20] [--vlm]
 The last line is `RESULT video_fps=<x> lag_2fps_s=<x> audio_rtf=<x>`.
 """
 
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--video-seconds", type=float, default=30.0)
     parser.add_argument("--lag-seconds", type=float, default=10.0)
     parser.add_argument("--audio-seconds", type=float, default=20.0)
-    parser.add_argument("--skip-vlm", action="store_true")
+    parser.add_argument("--vlm", action="store_true", help="also the tiny-vl engine path (bench/video.py)")
     parser.add_argument("--skip-audio", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     args = parser.parse_args()
@@ -207,15 +207,19 @@ def main() -> None:
               f"nothing changed), {lag['dropped']} dropped (newest wins)")
     print(f"  lag 10 fps / 2 fps          {v['lag10']['lag_median_s'] / v['lag2']['lag_median_s']:8.2f}x")
 
-    if not args.skip_vlm:
-        from media_vlm import measure_vlm_fps
+    if args.vlm:
+        from video import ingest_rate, picture
 
-        r = measure_vlm_fps()
-        print(f"tiny Qwen2.5-VL ({r['tokens_per_frame']:.0f} visual tokens/frame, window {r['frames_in_window']} "
-              f"frames): {r['vlm_fps']:.1f} frames/s incremental vs {r['stateless_fps']:.1f} stateless "
-              f"({r['speedup_vs_stateless']:.2f}x); lag 2 fps {r['lag_2fps_s'] * 1000:.1f} ms, "
-              f"10 fps {r['lag_10fps_s'] * 1000:.1f} ms ({r['dropped_10fps']} of {r['offered_10fps']} dropped)")
-        print(f"  describer session vs tiny VLM  {v['fps'] / r['vlm_fps']:8.2f}x frames/s")
+        from streamer.app import load_tiny_vl
+        from streamer.sessions.multimodal import frame_input
+        from streamer.sessions.runner import ModelRunner
+
+        loaded = load_tiny_vl()
+        runner = ModelRunner(loaded.model, loaded.tokenizer, loaded.name)
+        frames = [frame_input(runner.vl, picture(k), 64, runner.tokenize(f"[{k / 2:.1f}s] "), k / 2) for k in range(8)]
+        batched, serial = ingest_rate(runner, 16, frames, True), ingest_rate(runner, 16, frames, False)
+        print(f"tiny-vl on the engine, 16 sessions: {batched:.1f} frames/s batched vs {serial:.1f} one at a time "
+              f"({batched / serial:.2f}x; bench/video.py for the rest)")
 
     rtf = None
     if not args.skip_audio:

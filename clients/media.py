@@ -359,7 +359,9 @@ async def _print_events(client, emit, acks: dict) -> None:
             if fut is not None and not fut.done():
                 fut.set_result(event)
         elif kind == "media.observation":
-            _say(emit, f"  [{event['start_s']:.1f}s +{event['lag_ms']:.0f} ms] {(event.get('text') or '').strip()}",
+            what = (event.get("text") or "").strip() or f"a frame of {event.get('visual_tokens')} visual tokens " \
+                f"in the cache ({event.get('encoder')})"
+            _say(emit, f"  [{event['start_s']:.1f}s +{event['lag_ms']:.0f} ms] {what}",
                  event="observation", **{k: event.get(k) for k in ("start_s", "text", "lag_ms", "seq", "events")})
         elif kind == "media.transcript":
             mark = "final" if event["final"] else "partial"

@@ -377,6 +377,7 @@ class Engine:
     add_listener = _command(session_commands.add_listener)
     remove_listener = _command(session_commands.remove_listener)
     append = _command(jobs.append)
+    append_frame = _command(jobs.append_frame)
     revise = _command(jobs.revise)
     end_input = _command(jobs.end_input)
     transcribe = _command(jobs.transcribe)

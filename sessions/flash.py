@@ -55,12 +55,16 @@ class FlashAnswer:
     eval_s: float
     evaluated_at: float
     finish_reason: str
+    media_s: float | None = None  # media time of the newest frame it saw (video on a VL model)
 
     def public(self) -> dict:
-        return {"answer": self.text, "data_version": self.data_version,
-                "confidence": {"logit_gap": round(self.logit_gap, 4), "mean_prob": round(self.mean_prob, 4)},
-                "eval_ms": round(self.eval_s * 1000, 2), "evaluated_at": self.evaluated_at,
-                "finish_reason": self.finish_reason}
+        out = {"answer": self.text, "data_version": self.data_version,
+               "confidence": {"logit_gap": round(self.logit_gap, 4), "mean_prob": round(self.mean_prob, 4)},
+               "eval_ms": round(self.eval_s * 1000, 2), "evaluated_at": self.evaluated_at,
+               "finish_reason": self.finish_reason}
+        if self.media_s is not None:
+            out["media_s"] = round(self.media_s, 3)
+        return out
 
 
 @dataclass(slots=True)
@@ -148,13 +152,16 @@ class FlashJob(Job):
         self.stop_ids = stop_ids
         self.base = session.cache.length
         self.prefixes: tuple = ((session.cache, self.base),)
-        self.pos0: int | None = None
+        # positions continue after the reading cache (on a VL model its next position, which may
+        # be below its length: sessions/multimodal.py)
+        self.pos0: int | None = session.next_position if session.position_offset else None
         thinking = session.thinking
         if thinking is not None and thinking.cache is not None and thinking.cache.length:
             # as QueryJob: with dual thinking a question sees the reading cache and the notes
             self.prefixes += ((thinking.cache, thinking.cache.length),)
             self.pos0 = max(self.base, thinking.last_position + 1)
         self.version = session.data_version
+        self.media_s = session.media_s
         self.data_at = session.last_input_at or time.time()  # when the data it reads was accepted
         self.epoch = session.crop_epoch
         self.started = time.monotonic()
@@ -280,7 +287,7 @@ class FlashJob(Job):
             text = tok.decode(f.generated, skip_special_tokens=True)
             mean = sum(f.probs) / len(f.probs) if f.probs else 0.0
             self.results.append((f.q, FlashAnswer(text, f.generated, self.version, f.gap, mean,
-                                                  now - self.started, wall, f.finish_reason)))
+                                                  now - self.started, wall, f.finish_reason, self.media_s)))
         self.done = True
 
 

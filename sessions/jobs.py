@@ -25,7 +25,7 @@ from enum import IntEnum
 
 import torch
 
-from .errors import ContextOverflow, InputEnded, InvalidRequest, SessionClosed
+from .errors import Code, ContextOverflow, InputEnded, InvalidRequest, SessionClosed
 from .futures import settle
 from .runner import SeqStep
 from .session import AppendResult, Session
@@ -296,7 +296,8 @@ class PrefillJob(Job):
             self.finish_input()
             return None
         self._planned = n
-        return SeqStep(self.cache, self.start + self.pos, self.tokens[self.pos:self.pos + n])
+        return SeqStep(self.cache, self.start + self.pos, self.tokens[self.pos:self.pos + n],
+                       pos0=self.session.position_offset)
 
     def complete_one(self, logits: torch.Tensor) -> None:
         self.pos += self._planned
@@ -347,6 +348,8 @@ class ReviseJob(PrefillJob):
     def begin(self, after: PrefillJob | None = None) -> None:
         s = self.session
         first = s.tail_from(self.from_seq)
+        if any(c.extent is not None for c in s.chunks[first:]):  # before any eviction: a refusal changes nothing
+            raise InvalidRequest(f"session {s.id}: a revise cannot replace a frame (revise text after the last frame)")
         bound = s.context_window if s.window is None else s.window.max_tokens
         if s.window is not None:  # a longer tail evicts older input first (never the tail itself)
             from .window import evict, evict_seqs
@@ -444,6 +447,55 @@ class SegmentJob(ReviseJob):
         return out
 
 
+class FrameJob(PrefillJob):
+    """A frame into the reading cache of a session on a VL model: a prefill of the frame's
+    embeddings (`multimodal.FrameInput`) at M-RoPE positions that continue from the session's
+    next position, chunked and batched like text. It starts on its own (never joins another
+    input in a step: the next position moves by the frame's extent when it is in)."""
+
+    kind = "frame"
+    joins = False
+
+    def __init__(self, session: Session, frame, text: str) -> None:
+        super().__init__(session, frame.ids, text)
+        self.frame = frame
+        self.mpos: torch.Tensor | None = None
+
+    @property
+    def can_join(self) -> bool:
+        return False
+
+    def make_room(self) -> None:
+        """A vision bound evicts old frames first (replay: exactly the inputs the original evicted)."""
+        from .window import evict_seqs, room_for_frame, room_for_input
+
+        s = self.session
+        if s.window is None:
+            return
+        if self.evict_first:
+            evict_seqs(s, self.evict_first)
+        else:
+            room_for_frame(s, len(self.tokens))
+        room_for_input(s, len(self.tokens))
+
+    def begin(self, after: "PrefillJob | None" = None) -> None:
+        super().begin(None)
+        self.mpos = self.frame.rel + self.session.next_position  # after any eviction it made
+
+    def plan_one(self, budget: int) -> SeqStep | None:
+        if self.start is None:
+            self.begin()
+        n = min(budget, len(self.tokens) - self.pos)
+        self._planned = n
+        lo, hi = self.pos, self.pos + n
+        return SeqStep(self.cache, self.start + lo, self.tokens[lo:hi], embeds=self.frame.embeds[lo:hi],
+                       mpos=self.mpos[:, lo:hi])
+
+    def finish_input(self) -> None:
+        self.chunk = self.session.record(self.text, self.start, self.tokens, frame=self.frame)
+        self.done = True
+
+
 # ---- the input commands (run on the engine thread; `core` is the EngineCore) ----------------
 
 
@@ -460,6 +512,21 @@ def append(core, session_id: str, text: str, evict_first: list[int] | None = Non
         raise InvalidRequest("text is empty")
     check_input(session, len(tokens))
     job = PrefillJob(session, tokens, text)
+    job.evict_first = list(evict_first or ())
+    return core.submit(job)
+
+
+def append_frame(core, session_id: str, frame, text: str, evict_first: list[int] | None = None) -> Future:
+    """Read one frame (a `multimodal.FrameInput`, built from the engine's own VL model) into the
+    session's cache; `text` names it in the log. Resolves to an AppendResult like `append`."""
+    from .window import check_input
+
+    session = core.writable(session_id)
+    if core.runner.vl is None:
+        raise InvalidRequest(f"the engine's model {core.runner.name} reads no images (serve a vision-language "
+                             "model to put frames into a session's cache)", code=Code.UNSUPPORTED_MEDIA)
+    check_input(session, len(frame.ids))
+    job = FrameJob(session, frame, text)
     job.evict_first = list(evict_first or ())
     return core.submit(job)
 

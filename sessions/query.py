@@ -151,7 +151,7 @@ class QueryJob(Job):
         self._planned = n
         if self.own is not None:
             return SeqStep(self.own, self.fed, tokens, prefixes=self.prefixes, pos0=self.pos0)
-        return SeqStep(self.session.cache, self.base + self.fed, tokens)
+        return SeqStep(self.session.cache, self.base + self.fed, tokens, pos0=self.session.position_offset)
 
     def complete_one(self, logits: torch.Tensor) -> None:
         self.fed += self._planned

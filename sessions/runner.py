@@ -42,6 +42,8 @@ class SeqStep:
     prefixes: tuple[tuple[KVBuffer, int], ...] = ()
     pos0: int | None = None
     offset: int = 0  # index of the first token in the packed batch
+    embeds: torch.Tensor | None = None  # VL model: input embeddings `[n, hidden]` instead of the tokens'
+    mpos: torch.Tensor | None = None  # VL model: explicit M-RoPE positions `[3, n]` (default: text positions)
 
     @property
     def n(self) -> int:
@@ -110,13 +112,19 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, tokenizer, name: str = "model",
                  weights: WeightsInfo | None = None) -> None:
+        from .multimodal import vl_parts
+
         register_attention()
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        model.set_attn_implementation(ATTENTION_NAME)
+        self.vl = vl_parts(model)  # a vision-language model (sessions/multimodal.py), or None
+        if self.vl is not None:  # the vision tower keeps its own attention
+            model.set_attn_implementation({"text_config": ATTENTION_NAME})
+        else:
+            model.set_attn_implementation(ATTENTION_NAME)
         model.eval()
-        cfg = model.config
+        cfg = model.config if self.vl is None else model.config.text_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
         self.kv_shape = KVShape(
@@ -137,7 +145,7 @@ class ModelRunner:
         if self._inv_freq is None:
             from .rope import inverse_frequencies
 
-            self._inv_freq = inverse_frequencies(self.model)
+            self._inv_freq = inverse_frequencies(self.model if self.vl is None else self.vl.lm)
         return self._inv_freq
 
     def set_attention_backend(self, requested: str | None) -> str:
@@ -166,12 +174,12 @@ class ModelRunner:
         for seq in seqs:
             if seq.n == 0:
                 raise ValueError("a sequence in a step has no tokens")
+            if self.vl is None and (seq.embeds is not None or seq.mpos is not None):
+                raise ValueError(f"{self.name} is a text model: a step cannot carry embeddings or M-RoPE positions")
             seq.cache.reserve(seq.start + seq.n)
             seq.offset = len(ids)
             ids.extend(seq.tokens)
             positions.append(torch.arange(seq.position, seq.position + seq.n))
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         if logits == "all":
             keep: int | torch.Tensor = 0
         else:  # "none" still needs one row from the head; keep it to the last tokens
@@ -180,11 +188,29 @@ class ModelRunner:
         plan = plan_step(seqs, self.attention_backend, self.heads, shape.kv_heads, shape.head_dim, self.device,
                          FORK_SUFFIX_MAX)
         meta = StepMetadata(list(seqs), self.attention_backend, plan)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                         streamer_meta=meta, logits_to_keep=keep)
-        rows = out.logits[0].float()
+        if self.vl is not None:
+            rows = self._forward_vl(seqs, positions, meta, keep)
+        else:
+            input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+            position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             streamer_meta=meta, logits_to_keep=keep)
+            rows = out.logits[0].float()
         if logits == "none":
             return None
         if logits == "all":
             return [rows[s.offset:s.offset + s.n] for s in seqs]
         return list(rows.unbind(0))
+
+    def _forward_vl(self, seqs: Sequence[SeqStep], positions: list[torch.Tensor], meta: StepMetadata,
+                    keep: int | torch.Tensor) -> torch.Tensor:
+        """A VL model's language model over input embeddings (token embeddings, or a frame's own)
+        with M-RoPE positions `[3, 1, N]`; logits of the rows in `keep` (0: all)."""
+        vl = self.vl
+        embeds = [seq.embeds.to(self.device, self.kv_shape.dtype) if seq.embeds is not None else vl.embed(seq.tokens)
+                  for seq in seqs]
+        mpos = [seq.mpos if seq.mpos is not None else p.expand(3, -1) for seq, p in zip(seqs, positions)]
+        out = vl.lm(inputs_embeds=torch.cat(embeds)[None], position_ids=torch.cat(mpos, 1)[:, None, :].to(self.device),
+                    use_cache=False, streamer_meta=meta)
+        hidden = out.last_hidden_state[0]
+        return vl.head(hidden if isinstance(keep, int) else hidden[keep]).float()

@@ -28,10 +28,17 @@ class Chunk:
     start: int
     tokens: list[int]
     digest: str
+    extent: int | None = None  # positions it advances, when not one per token (a frame on a VL model)
+    media_s: float | None = None  # a frame's media time
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def span(self) -> int:
+        """How far it advances the session's next position."""
+        return len(self.tokens) if self.extent is None else self.extent
 
 
 @dataclass(slots=True)
@@ -109,6 +116,9 @@ class Session:
         self.data_version = 0
         self.next_seq = 1
         self.pending_tokens = 0  # tokens queued for append but not yet in the cache
+        self.position_offset = 0  # next position - cache length (frames on a VL model: sessions/multimodal.py)
+        self.frames = 0  # frames read into the cache (VL model)
+        self.media_s: float | None = None  # media time of the newest frame read
         self.ended = False
         self.closed = False
         self.created_at = time.time()
@@ -138,6 +148,11 @@ class Session:
     @property
     def total_tokens(self) -> int:
         return self.cache.length
+
+    @property
+    def next_position(self) -> int:
+        """The (M-RoPE t) position of the next token after the reading cache."""
+        return self.cache.length + self.position_offset
 
     def tokenize(self, text: str) -> list[int]:
         """Tokenize one piece on its own (ModelRunner.tokenize)."""
@@ -177,9 +192,15 @@ class Session:
             first = ts
         return max(0.0, time.time() - first)
 
-    def record(self, text: str, start: int, tokens: list[int]) -> Chunk:
-        chunk = Chunk(self.next_seq, time.time(), text, start, tokens,
-                      hashlib.sha256(text.encode()).hexdigest()[:16])
+    def record(self, text: str, start: int, tokens: list[int], frame=None) -> Chunk:
+        """Log an input now in the cache (`frame`: the FrameInput it was read from)."""
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16] if frame is None else frame.digest
+        chunk = Chunk(self.next_seq, time.time(), text, start, tokens, digest)
+        if frame is not None:
+            chunk.extent, chunk.media_s = frame.extent, frame.media_s
+            self.position_offset += frame.extent - len(tokens)
+            self.frames += 1
+            self.media_s = frame.media_s if frame.media_s is not None else self.media_s
         self.next_seq += 1
         self.chunks.append(chunk)
         self.new_version(chunk.ts)
@@ -223,6 +244,8 @@ class Session:
             "attention_backend": self.runner.attention_backend,
             "weights": self.runner.weights.format,
             "inputs": len(self.chunks),
+            "frames": self.frames,
+            "next_position": self.next_position,
             "last_seq": self.chunks[-1].seq if self.chunks else 0,
             "ended": self.ended,
             "closed": self.closed,

@@ -122,6 +122,9 @@ class ThinkingState:
 
 
 def configure(session: Session, config: ThinkingConfig) -> None:
+    if config.mode != "off" and session.runner.vl is not None:
+        raise InvalidRequest("thinking while reading is not supported on a vision-language model yet "
+                             "(mode 'off' only)", param="mode")
     """Set (or change) a session's thinking mode. Switching modes keeps written reasoning
     where it is; a dual thinking cache is created on first use."""
     config.validate(session.context_window)

@@ -48,6 +48,7 @@ class TextWindow:
     max_tokens: int
     keep_tokens: int = 0  # tokens left after an eviction for input (0: three quarters of max_tokens)
     sink_inputs: int = 1  # first inputs that are never evicted
+    vision_tokens: int = 0  # frames (VL model) after the sinks keep at most this many tokens (0: no own bound)
     default: bool = False  # the default window (media may resize it), not one the client chose
     slides: int = 0
     dropped_inputs: int = 0
@@ -66,10 +67,13 @@ class TextWindow:
                                  param="keep_tokens")
         if self.sink_inputs < 0:
             raise InvalidRequest(f"window sink_inputs must be >= 0, got {self.sink_inputs}", param="sink_inputs")
+        if not 0 <= self.vision_tokens <= self.max_tokens:
+            raise InvalidRequest(f"window vision_tokens {self.vision_tokens} must be in [0, max_tokens="
+                                 f"{self.max_tokens}]", param="vision_tokens")
 
     def public(self) -> dict:
         return {"max_tokens": self.max_tokens, "keep_tokens": self.keep_tokens, "sink_inputs": self.sink_inputs,
-                "default": self.default, "slides": self.slides, "dropped_inputs": self.dropped_inputs,
+                "vision_tokens": self.vision_tokens, "default": self.default, "slides": self.slides, "dropped_inputs": self.dropped_inputs,
                 "dropped_tokens": self.dropped_tokens, "moved_tokens": self.moved_tokens,
                 "last_evicted_seq": self.last_evicted_seq,
                 "last_slide_ms": round(self.last_slide_ms, 3),
@@ -97,7 +101,7 @@ def default_size(limits, context_window: int, prefix_tokens: int = 0) -> int:
 
 
 def set_window(session: Session, max_tokens: int, keep_tokens: int = 0, sink_inputs: int = 1,
-               default: bool = False) -> TextWindow:
+               default: bool = False, vision_tokens: int = 0) -> TextWindow:
     """Bound the session's cache."""
     floor = len(session.prefix_ids) + 16
     if not floor <= max_tokens <= session.context_window:
@@ -105,24 +109,27 @@ def set_window(session: Session, max_tokens: int, keep_tokens: int = 0, sink_inp
                              f"(prefix {len(session.prefix_ids)} tokens + room, at most the context window)",
                              param="max_tokens")
     if session.window is None:
-        window = TextWindow(max_tokens, keep_tokens, sink_inputs, default)
+        window = TextWindow(max_tokens, keep_tokens, sink_inputs, vision_tokens, default)
     else:  # a resize: the counters (and evictions not yet reported) carry over
         window = replace(session.window, max_tokens=max_tokens, keep_tokens=keep_tokens, sink_inputs=sink_inputs,
-                         default=default)
+                         default=default, vision_tokens=vision_tokens)
     session.window = window
     return window
 
 
 def window_args(settings: dict) -> dict:
     """`set_window` keywords from a client's `window` object (unknown keys are refused)."""
-    known = {"max_tokens", "keep_tokens", "sink_inputs"}
+    known = {"max_tokens", "keep_tokens", "sink_inputs", "vision_tokens"}
     extra = set(settings) - known
     if extra:
         raise InvalidRequest(f"window has no field {sorted(extra)[0]!r}", param=sorted(extra)[0])
     if settings.get("max_tokens") is None:
         raise InvalidRequest("window needs 'max_tokens' (or null for an unbounded session)", param="max_tokens")
-    return {"max_tokens": settings["max_tokens"], "keep_tokens": settings.get("keep_tokens") or 0,
-            "sink_inputs": settings.get("sink_inputs", 1)}
+    out = {"max_tokens": settings["max_tokens"], "keep_tokens": settings.get("keep_tokens") or 0,
+           "sink_inputs": settings.get("sink_inputs", 1)}
+    if settings.get("vision_tokens"):
+        out["vision_tokens"] = settings["vision_tokens"]
+    return out
 
 
 def check_input(session: Session, new_tokens: int) -> None:
@@ -152,6 +159,26 @@ def room_for_input(session: Session, new_tokens: int) -> None:
         raise ContextOverflow(
             f"input of {new_tokens} tokens does not fit session {session.id}'s window of {window.max_tokens} "
             f"tokens beside the {session.cache.length} tokens it must keep")
+
+
+def room_for_frame(session: Session, new_tokens: int) -> None:
+    """Called as a frame starts (VL model): with a vision bound, the oldest frames after the sinks
+    are evicted (text between them stays) until the frames held plus this one fit it. The longer
+    text window is the window's own bound (`room_for_input`, after this)."""
+    s, w = session, session.window
+    if w is None or not w.vision_tokens:
+        return
+    first = min(w.sink_inputs, len(s.chunks))
+    frames = [i for i in range(first, len(s.chunks)) if s.chunks[i].extent is not None]
+    held = sum(len(s.chunks[i].tokens) for i in frames)
+    gone = []
+    for i in frames:  # oldest first
+        if held + new_tokens <= w.vision_tokens:
+            break
+        held -= len(s.chunks[i].tokens)
+        gone.append(i)
+    for i in reversed(gone):  # later ones first, so the earlier indices still hold
+        _evict_range(s, i, i + 1)
 
 
 def room_for_answer(session: Session, need: int, position: int) -> None:
@@ -194,10 +221,25 @@ def evict_seqs(session: Session, seqs: list[int]) -> list:
             wanted.pop(0)
         drop += 1
     if wanted:
+        picked = _evict_scattered(s, first, list(seqs))  # a vision bound evicts frames between kept text
+        if picked is not None:
+            return picked
         live = [c.seq for c in s.chunks[first:first + 5]]
         raise InvalidRequest(f"inputs {wanted} are not the oldest evictable inputs of session {s.id} "
                              f"(oldest after the sinks: {live})")
     return _evict_range(s, first, drop)
+
+
+def _evict_scattered(s: Session, first: int, seqs: list[int]) -> list | None:
+    """Evict exactly the inputs `seqs` after the sinks, wherever they are (None if one is not a
+    live input there)."""
+    where = {c.seq: i for i, c in enumerate(s.chunks) if i >= first and c.seq}
+    if any(seq not in where for seq in seqs):
+        return None
+    gone = []
+    for i in sorted((where[seq] for seq in seqs), reverse=True):
+        gone[:0] = _evict_range(s, i, i + 1)
+    return gone
 
 
 def _evict_range(s: Session, first: int, drop: int) -> list:
@@ -210,8 +252,10 @@ def _evict_range(s: Session, first: int, drop: int) -> list:
     a, b = gone[0].start, gone[-1].end
     moved = s.cache.length - b
     shift = b - a
+    turn = sum(c.span for c in gone)  # positions they took (a VL frame takes fewer than its tokens)
     s.cache.remove(a, b)  # the kept K/V move down in every layer: one copy
-    rotate_keys(s.cache, a - s.cache.prefix_len, moved, -shift, s.runner.inv_freq)  # keys turn back by the gap
+    rotate_keys(s.cache, a - s.cache.prefix_len, moved, -turn, s.runner.inv_freq)  # keys turn back by the gap
+    s.position_offset += shift - turn
     del s.chunks[first:drop]
     for chunk in s.chunks[first:]:
         chunk.start -= shift
@@ -255,7 +299,7 @@ def _reanchor_thinking(session: Session, a: int, shift: int) -> None:
 
 
 def configure(core, session_id: str, max_tokens: int | None = None, keep_tokens: int = 0,
-              sink_inputs: int = 1, unbounded: bool = False) -> dict:
+              sink_inputs: int = 1, unbounded: bool = False, vision_tokens: int = 0) -> dict:
     """Bound the session's reading cache (sinks + recent inputs), or with `unbounded` lift the
     bound (input past the model's window is then refused with `context_overflow`). A cache
     already past the new bound is evicted down to it now. Returns the session state."""
@@ -265,7 +309,7 @@ def configure(core, session_id: str, max_tokens: int | None = None, keep_tokens:
         return session.state()
     if max_tokens is None:
         raise InvalidRequest("window needs 'max_tokens' (or null for an unbounded session)", param="max_tokens")
-    set_window(session, max_tokens, keep_tokens, sink_inputs)
+    set_window(session, max_tokens, keep_tokens, sink_inputs, vision_tokens=vision_tokens)
     return core.submit(ResizeJob(session))  # in the FIFO: after the input queued before it
 
 
@@ -297,7 +341,9 @@ def ensure(core, session_id: str, max_tokens: int) -> dict:
     session = core.live(session_id)
     window = session.window
     size = min(max_tokens, session.context_window)
-    if window is None or not window.default or window.max_tokens == size:
+    vision = size // 2 if session.runner.vl is not None else 0  # frames on a VL model: half of it at most
+    if window is None or not window.default or (window.max_tokens, window.vision_tokens) == (size, vision):
         return {"window_set": None}
-    set_window(session, size, default=True)
-    return {"window_set": {"max_tokens": size, "keep_tokens": 0, "sink_inputs": 1}}
+    set_window(session, size, default=True, vision_tokens=vision)
+    settings = {"max_tokens": size, "keep_tokens": 0, "sink_inputs": 1}
+    return {"window_set": {**settings, "vision_tokens": vision} if vision else settings}

@@ -27,7 +27,19 @@ def build_engine(model: str = "embedded", dtype: str = "float32", device: str = 
 def build_runner(model: str = "embedded", dtype: str = "float32", device: str = "cpu",
                  weights: str = "auto") -> ModelRunner:
     check_request(weights, device)  # before the model loads: a wrong request fails in a second
-    loaded = load_tiny(model) if model.split(":")[0] == "tiny" else load_model(model, dtype=dtype, device=device)
+    kind = model.split(":")[0]
+    if kind == "tiny":
+        loaded = load_tiny(model)
+    elif kind == "tiny-vl":
+        loaded = load_tiny_vl(model)
+    elif is_vl_checkpoint(model):
+        from streamer.sessions.models import LoadedModel
+        from streamer.vision.vlm import load_vlm
+
+        vlm, tokenizer = load_vlm(model, dtype, device)
+        loaded = LoadedModel(vlm, tokenizer, model)
+    else:
+        loaded = load_model(model, dtype=dtype, device=device)
     info = apply_weights(loaded.model, weights, device, loaded.gguf)
     return ModelRunner(loaded.model, loaded.tokenizer, loaded.name, info)
 
@@ -43,3 +55,30 @@ def load_tiny(spec: str = "tiny"):
     _, _, seed = spec.partition(":")
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
     return build_tiny_model(tokenizer, seed=int(seed or 7))
+
+
+def load_tiny_vl(spec: str = "tiny-vl"):
+    """`tiny-vl` or `tiny-vl:SEED`: a seeded tiny random Qwen2.5-VL (fp32) with the embedded
+    tokenizer (plus the vision special tokens), for tests and for trying the video path without
+    weights: it sees frames exactly as a real one does, but what it says is noise."""
+    from transformers import AutoTokenizer
+
+    from streamer.sessions.models import embedded_model_dir
+    from streamer.vision.vlm import build_tiny_vl
+
+    _, _, seed = spec.partition(":")
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    return build_tiny_vl(tokenizer, seed=int(seed or 7))
+
+
+VL_MODEL_TYPES = ("qwen2_5_vl",)
+
+
+def is_vl_checkpoint(spec: str) -> bool:
+    """Whether a Hugging Face id or directory is a vision-language model the engine runs."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec).model_type in VL_MODEL_TYPES
+    except (OSError, ValueError):
+        return False  # load_model says what is wrong with it

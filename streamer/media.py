@@ -20,9 +20,11 @@ from typing import Any
 from streamer.sessions.errors import Code, EngineError
 
 from .protocol import Command
-from .records import Append, Revise, Update
+from .records import Append, Frame, Revise, Update
 
 log = logging.getLogger(__name__)
+
+BLOB_TIMEOUT_S = 10.0  # how long a media thread waits for a frame's blob to be stored
 
 
 @dataclass(slots=True)
@@ -30,9 +32,10 @@ class MediaConfig:
     """Media settings of the server, with their defaults."""
 
     video: Any = None  # streamer.vision.ingest.VideoConfig; None: its defaults
-    video_encoder: Callable[[], Any] | None = None  # a VisionEncoder factory; None: the frame describer
+    video_encoder: Callable[[], Any] | None = None  # a VisionEncoder factory (text model); None: the frame describer
     audio: dict = field(default_factory=dict)  # keyword arguments for streamer.vision.audio.AudioStream
     max_backlog: int = 8  # pieces of one stream queued before the receive loop waits for them
+    frame_tokens: int = 256  # visual tokens per frame when the engine's model is a VLM (frames go into its cache)
     window_tokens: int | None = 4096  # media sessions without a window get one of this many tokens
     #   (at most the context window; sinks + recent inputs, see sessions/window.py); None: leave unbounded
 
@@ -154,7 +157,11 @@ class MediaHub:
             from streamer.vision.video import require_av
 
             require_av()
-            if self.config.video_encoder is not None:
+            if getattr(self.engine.runner, "vl", None) is not None:  # the engine's model sees the frames
+                from streamer.vision.vlm import EngineFrameEncoder
+
+                encoder = EngineFrameEncoder(self.engine, sid, self.config.frame_tokens)
+            elif self.config.video_encoder is not None:
                 encoder = self.config.video_encoder()
             else:
                 from streamer.vision.describe import FrameDescriber
@@ -221,6 +228,22 @@ class LoggedEngine:
 
         return self._logged(session_id, lambda: self._engine.transcribe(session_id, segment, text, final),
                             record, then)
+
+    def append_frame(self, session_id: str, frame, text: str, frame_tokens: int, label: str | None = None,
+                     then=None):
+        """A frame into a VL session's cache (on a media thread): its blob goes to the store
+        first (this thread waits for it), then the frame is applied and its record logged."""
+        from streamer.sessions.multimodal import frame_blob
+
+        put = self._events.store.put_blob(frame.digest, frame_blob(frame.image))
+        try:
+            asyncio.run_coroutine_threadsafe(put, self._loop).result(BLOB_TIMEOUT_S)
+        except Exception as exc:
+            raise EngineError(f"the frame could not be logged: {exc}", code=Code.STORE_UNAVAILABLE) from None
+        return self._logged(session_id, lambda: self._engine.append_frame(session_id, frame, text),
+                            lambda r: Frame(text=text, blob=frame.digest, frame_tokens=frame_tokens, label=label,
+                                            media_s=frame.media_s, seq=r.seq, source="media",
+                                            evicted=r.evicted_seqs or None), then)
 
     def ensure_window(self, session_id: str, max_tokens: int, then=None):
         def record(state: dict):  # logged only when it set a window

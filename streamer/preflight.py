@@ -194,8 +194,8 @@ def serve(args: argparse.Namespace) -> None:
         require("aiomqtt", "--mqtt")
     if args.store and args.store.startswith(("redis://", "rediss://", "unix://")):
         require("redis", "--store redis://")
-    if not args.no_media and args.video_encoder != "describer":
-        require("av", f"--video-encoder {args.video_encoder}")
+    if not args.no_media and args.model.split(":")[0] == "tiny-vl":  # a model that reads video
+        require("av", f"--model {args.model}")
     check_backend(args.attention_backend)
     check_port(args.host, args.port)
     check_store(args.store)

@@ -88,7 +88,7 @@ class Append(Record):
     def check(self, result: Any) -> None:
         if self.seq is not None and result.seq != self.seq:
             raise ReplayError(f"record {self.n} ({self.kind}) replayed as seq {result.seq}, logged as seq {self.seq}")
-        if not self.first and (result.evicted_seqs or None) != self.evicted:  # logged after it was applied
+        if not self.first and sorted(result.evicted_seqs or ()) != sorted(self.evicted or ()):  # logged after applied
             raise ReplayError(f"record {self.n} ({self.kind}) evicted inputs {result.evicted_seqs} on replay, "
                               f"logged {self.evicted or []}")
 
@@ -100,6 +100,49 @@ class Revise(Append):
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
         return engine.revise(session_id, self.text, self.from_seq, evict_first=self.evicted, then=then_)
+
+
+@dataclass(slots=True, kw_only=True)
+class Frame(Append):
+    """A video frame read into the cache of a session on a vision-language model. The frame
+    itself (resized as the vision tower saw it) is a content-addressed blob in the store, named
+    by `blob` and written before this record; replay loads it (`load_blobs`) and reads it again."""
+
+    kind: ClassVar[str] = "frame"
+    blob: str
+    frame_tokens: int
+    label: str | None = None  # text read right before the frame (its media time)
+    media_s: float | None = None
+    image: Any = None  # not logged: the blob's frame, set by `load_blobs`
+
+    def to_json(self) -> dict[str, Any]:
+        out = Append.to_json(self)
+        out.pop("image", None)
+        return out
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        from streamer.sessions.multimodal import frame_input
+
+        runner = engine.runner
+        if runner.vl is None:
+            raise ReplayError(f"record {self.n} is a video frame; this worker's model {runner.name} reads no images")
+        if self.image is None:
+            raise ReplayError(f"record {self.n}: frame blob {self.blob[:16]} is not in the store (expired?)")
+        label = runner.tokenize(self.label) if self.label else []
+        frame = frame_input(runner.vl, self.image, self.frame_tokens, label, self.media_s)
+        if frame.digest != self.blob:
+            raise ReplayError(f"record {self.n}: frame blob {self.blob[:16]} does not read back as itself")
+        return engine.append_frame(session_id, frame, self.text, evict_first=self.evicted, then=then_)
+
+
+async def load_blobs(records: list[Record], store) -> None:
+    """Fetch the frames that `frame` records name from the store (missing ones stay None)."""
+    from streamer.sessions.multimodal import blob_frame
+
+    for record in records:
+        if isinstance(record, Frame) and store is not None:
+            blob = await store.get_blob(record.blob)
+            record.image = blob_frame(blob) if blob is not None else None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -189,7 +232,7 @@ class Void(Record):
         return done
 
 
-KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (Create, Append, Revise, End, FlashRegister,
+KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (Create, Append, Revise, Frame, End, FlashRegister,
                                                             FlashUnregister, Update, Close, Void)}
 
 

@@ -22,7 +22,7 @@ import logging
 
 from streamer.sessions.errors import Code, EngineError
 
-from .records import Create, Record, ReplayError
+from .records import Create, Record, ReplayError, load_blobs
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,11 @@ def parse(raw: list[dict]) -> list[Record]:
     return [Record.from_json(r) for r in raw]
 
 
-async def replay(engine, session_id: str, raw: list[dict]) -> dict:
-    """Re-create `session_id` on `engine` from its log; resolves to the session's state."""
+async def replay(engine, session_id: str, raw: list[dict], store=None) -> dict:
+    """Re-create `session_id` on `engine` from its log; resolves to the session's state. Video
+    frames come back from their blobs in `store`."""
     records = parse(raw)
+    await load_blobs(records, store)
     if not records or not isinstance(records[0], Create):
         raise ReplayError(f"the log of session {session_id} does not start with its creation")
     await asyncio.wrap_future(records[0].apply(engine, session_id))

@@ -26,12 +26,14 @@ Every Redis error becomes a StoreError. Commands time out after `socket_timeout`
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 
 import redis.asyncio as redis
 
-from .store import DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, LogGap, NotOwner, Store, StoreError, StoreLost
+from .store import (DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, LogGap, NotOwner, Store, StoreError, StoreLost,
+                    _check_digest)
 
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
 
@@ -110,6 +112,18 @@ class RedisStore(Store):
             raise StoreError(f"Redis at {self.url}: {exc}") from None
         finally:
             await self.redis.aclose()
+
+    # ---- blobs: `blob:<digest>`, base64 (the client decodes responses), expiring -----------
+
+    async def put_blob(self, digest: str, data: bytes) -> None:
+        _check_digest(digest)
+        text = base64.b64encode(data).decode()
+        await self._do(self.redis.set(self.key("blob", digest), text, ex=max(1, int(self.retention_s))))
+
+    async def get_blob(self, digest: str) -> bytes | None:
+        _check_digest(digest)
+        text = await self._do(self.redis.get(self.key("blob", digest)))
+        return base64.b64decode(text) if text is not None else None
 
     # ---- event log ------------------------------------------------------------------------
 

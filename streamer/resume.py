@@ -182,7 +182,7 @@ class Resumer:
         if owner is not None:
             raise Moved(session_id, await self.store.owner(session_id) or {"worker": owner})
         try:
-            state = await replay(self.engine, session_id, raw)
+            state = await replay(self.engine, session_id, raw, self.store)
         except BaseException:
             if session_id in self.engine.sessions:  # a partial copy must not linger
                 self.engine.close_session(session_id)

@@ -76,6 +76,7 @@ class Store:
         self._snapshots: dict[str, dict] = {}
         self._owners: dict[str, str] = {}
         self._closed_at: dict[str, float] = {}
+        self._blobs: dict[str, tuple[bytes, float]] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -131,6 +132,22 @@ class Store:
             self._closed_at.pop(sid)
             self._logs.pop(sid, None)
             self._snapshots.pop(sid, None)
+
+    # ---- blobs (media inputs, content-addressed) -------------------------------------------
+
+    async def put_blob(self, digest: str, data: bytes) -> None:
+        """Keep `data` under its content address `digest` (a hex sha256) for the retention time
+        (from its last put). Durable on return, like `append`: log it before the record naming it."""
+        _check_digest(digest)
+        self._blobs[digest] = (data, time.time())
+        cutoff = time.time() - self.retention_s
+        for key in [k for k, (_, t) in self._blobs.items() if t <= cutoff]:
+            del self._blobs[key]
+
+    async def get_blob(self, digest: str) -> bytes | None:
+        _check_digest(digest)
+        entry = self._blobs.get(digest)
+        return entry[0] if entry is not None else None
 
     # ---- directory ------------------------------------------------------------------------
 
@@ -191,8 +208,37 @@ class FileStore(Store):
 
     async def start(self) -> "FileStore":
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         self._expire_files()
         return self
+
+    async def put_blob(self, digest: str, data: bytes) -> None:
+        """`root/blobs/<digest>`, written whole (a temporary file renamed into place); a blob
+        already there is only touched (its retention starts again)."""
+        _check_digest(digest)
+        path = self.root / "blobs" / digest
+        try:
+            if path.exists():
+                os.utime(path)
+                return
+            tmp = path.with_name(f".{digest}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise StoreError(f"cannot write blob {digest[:16]} under {self.root}: {exc}") from None
+
+    async def get_blob(self, digest: str) -> bytes | None:
+        _check_digest(digest)
+        try:
+            return (self.root / "blobs" / digest).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"cannot read blob {digest[:16]} under {self.root}: {exc}") from None
 
     def _path(self, session_id: str) -> Path:
         # ids are printable strings of at most 64 characters; the hex digest keeps two ids that
@@ -282,6 +328,9 @@ class FileStore(Store):
                 last = None
             if last is not None and last.get("kind") == "close":
                 path.unlink(missing_ok=True)
+        for path in (self.root / "blobs").glob("*"):  # media blobs not put again within the retention time
+            if path.stat().st_mtime <= cutoff:
+                path.unlink(missing_ok=True)
 
     async def flush(self) -> None:
         for f in self._files.values():
@@ -294,6 +343,14 @@ class FileStore(Store):
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_digest(digest: str) -> None:
+    if not _DIGEST.fullmatch(digest):
+        raise StoreError(f"blob address {digest[:80]!r} is not a hex sha256")
 
 
 def _check_position(session_id: str, n: int, rid: str | None, length: int, rid_at) -> None:

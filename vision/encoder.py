@@ -7,9 +7,10 @@ is left goes, in order, to one `VisionEncoder` per media stream. Two implementat
 - `FrameDescriber` (vision/describe.py, the embedded default): no weights; each frame becomes a
   timestamped text observation (scene cut, motion level, dominant colours, brightness) that the
   caller appends to the session's text model (`Observation.text`).
-- the Qwen2.5-VL path (vision/vlm.py): each frame's vision embeddings go into the encoder's own
-  multimodal cache with the model's 3-D M-RoPE positions continuing chunk to chunk; it reports
-  the visual tokens it appended (`Observation.tokens`) and may also give a text line.
+- the engine's VLM (vision/vlm.py `EngineFrameEncoder`): each frame's vision embeddings go into
+  the session's own reading cache (an engine job, 3-D M-RoPE positions continuing chunk to
+  chunk); it reports the visual tokens (`Observation.tokens`) and the engine's result
+  (`Observation.appended`).
 
 An encoder is stateful (it remembers the previous frame, or owns a cache) and is used from one
 thread at a time. This module imports nothing heavy: numpy arrays are the frame currency.
@@ -68,6 +69,7 @@ class Observation:
     tokens: int = 0
     frames: list[int] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    appended: object = None  # the engine's AppendResult when the encoder put the frame into the session's cache
 
 
 class VisionEncoder(ABC):

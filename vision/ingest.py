@@ -25,6 +25,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from streamer.sessions.errors import EngineError
+
 from .encoder import Frame, Observation, VisionEncoder
 from .errors import MediaDecodeError, MediaError, MediaHeaderInvalid, MediaTooLarge
 from .video import DecodeLimits, FrameSampler, LatestSlot, VideoDecoder, decode_image
@@ -193,7 +195,7 @@ class VideoIngest:
         try:
             observations = self.encoder.encode([frame])
             self.stats.encoded += 1
-        except MediaError as exc:
+        except (MediaError, EngineError) as exc:  # EngineError: the engine refused the frame (VL path)
             self.stats.errors += 1
             self._error(exc)
             return
@@ -209,6 +211,9 @@ class VideoIngest:
         payload = {"start_s": round(obs.start_s, 3), "end_s": round(obs.end_s, 3), "capture_ts": obs.ts,
                    "text": obs.text, "events": obs.events or None, "frames": obs.frames,
                    "visual_tokens": obs.tokens or None, "encoder": self.encoder.name}
+        if obs.appended is not None:  # the encoder put it into the session's cache itself
+            r = obs.appended
+            payload.update(seq=r.seq, tokens=r.tokens, total_tokens=r.total_tokens, data_version=r.data_version)
         if not (obs.text and self.encoder.appends_text):
             self._observed(obs, payload)
             return

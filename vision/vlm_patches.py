@@ -73,6 +73,28 @@ def fit_size(height: int, width: int, max_tokens: int, spec: PatchSpec = PatchSp
     return h, w
 
 
+def _readable(image: np.ndarray) -> np.ndarray:
+    """A contiguous array torch may wrap (decoded frames and blobs can be read-only views)."""
+    image = np.ascontiguousarray(image)
+    return image if image.flags.writeable else image.copy()
+
+
+def fit_frame(image: np.ndarray, max_tokens: int, spec: PatchSpec = PatchSpec()) -> np.ndarray:
+    """The RGB uint8 frame resized as `patchify` resizes it (bicubic, antialiased, rounded to 8
+    bits): what the vision tower sees, and what a log keeps to rebuild it (fitting it again
+    changes nothing)."""
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise UnsupportedMedia(f"frames must be RGB uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    height, width = image.shape[:2]
+    h, w = fit_size(height, width, max_tokens, spec)
+    if (h, w) == (height, width):
+        return image
+    pixels = torch.from_numpy(_readable(image)).permute(2, 0, 1).float()
+    pixels = F.interpolate(pixels[None], size=(h, w), mode="bicubic", antialias=True,
+                           align_corners=False)[0].round_().clamp_(0, 255)
+    return pixels.to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+
+
 def patchify(image: np.ndarray, max_tokens: int,
              spec: PatchSpec = PatchSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """An RGB uint8 frame `[H, W, 3]` -> (pixel_values `[gh * gw, 3 * T * P * P]` float32, grid
@@ -81,14 +103,9 @@ def patchify(image: np.ndarray, max_tokens: int,
     vision tower reads it: rows in merge order (merge blocks row-major, patches row-major
     inside a block), each row channel-major then time (the still frame repeated
     `temporal_patch_size` times) then patch rows and columns."""
-    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-        raise UnsupportedMedia(f"frames must be RGB uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
-    height, width = image.shape[:2]
-    h, w = fit_size(height, width, max_tokens, spec)
-    pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float()  # [3, H, W]
-    if (h, w) != (height, width):
-        pixels = F.interpolate(pixels[None], size=(h, w), mode="bicubic", antialias=True,
-                               align_corners=False)[0].round_().clamp_(0, 255)
+    image = fit_frame(image, max_tokens, spec)
+    h, w = image.shape[:2]
+    pixels = torch.from_numpy(_readable(image)).permute(2, 0, 1).float()  # [3, H, W]
     mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
     std = torch.tensor(CLIP_STD).view(3, 1, 1)
     pixels = (pixels / 255.0 - mean) / std

@@ -513,19 +513,33 @@ async def media_servers(rec: Recorder, engine) -> None:
             await peer.close()
         finally:
             await server.stop()
-    from streamer.vision.vlm import Window, vlm_factory_from_spec
 
-    vlm = vlm_factory_from_spec("tiny", frame_tokens=16, window=Window())
-    server, url = await started(engine, media=MediaConfig(video_encoder=vlm))
-    try:  # the VLM path: visual tokens in the encoder's own cache, no text appended
+
+async def vl_engine(rec: Recorder) -> None:
+    """An engine whose model is a VLM (tiny-vl): a still image goes into the session's own cache
+    and a flash answer over it carries the frame's media time (`media_s`)."""
+    from streamer.app import load_tiny_vl
+    from streamer.sessions.engine import Engine, EngineLimits
+    from streamer.sessions.runner import ModelRunner
+
+    loaded = load_tiny_vl()
+    vl = Engine(ModelRunner(loaded.model, loaded.tokenizer, loaded.name), EngineLimits(kv_budget_bytes=32 << 20)).start()
+    server, url = await started(vl, media=MediaConfig(frame_tokens=16))
+    try:
         peer = await Peer.open(rec, url)
-        sid = (await peer.ok({"type": "session.create"}, "session.created"))["session_id"]
-        await peer.send(media(sid, "image", "png", 0, picture))
+        sid = (await peer.ok({"type": "session.create", "flash": [{"question": "What is it?", "max_tokens": 3}]},
+                             "session.created"))["session_id"]
+        await peer.send(media(sid, "image", "png", 0, encode_image("png", scene_frame(2.5))))
         observed = await peer.of("media.observation")
-        assert observed["visual_tokens"] > 0 and "text" not in observed, observed
+        assert observed["encoder"] == "engine-vl" and observed["data_version"] == 1, observed
+        updated = await peer.of("flash.updated")
+        assert updated["media_s"] == observed["start_s"], updated
+        state = await peer.ok({"type": "session.get", "session_id": sid}, "state")
+        assert state["session"]["frames"] == 1 and state["session"]["flash"][0]["media_s"] == observed["start_s"]
         await peer.close()
     finally:
         await server.stop()
+        vl.stop()
 
 
 async def stores(rec: Recorder, engine, small, tmp: Path) -> None:
@@ -637,6 +651,8 @@ async def tour(engine, small, tmp: Path) -> Recorder:
         await edge_limits(rec, engine, tmp)
     with rec.timed("media_servers"):
         await media_servers(rec, engine)
+    with rec.timed("vl_engine"):
+        await vl_engine(rec)
     with rec.timed("stores"):
         await stores(rec, engine, small, tmp)
     with rec.timed("small_pool"):

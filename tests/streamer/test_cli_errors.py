@@ -86,7 +86,7 @@ CASES = {
     "redis-extra": Case(("serve", "--store", "redis://127.0.0.1:6379/0", "--model", "/nonexistent/model"), 2,
                         ("--store redis:// needs the 'redis' extra", "pip install 'streamer[redis]'"),
                         block=("redis",)),
-    "media-extra": Case(("serve", "--video-encoder", "tiny", "--model", "/nonexistent/model"), 2,
+    "media-extra": Case(("serve", "--model", "tiny-vl"), 2,
                         ("'media' extra", "pip install 'streamer[media]'"), block=("av",)),
     "triton-extra": Case(("serve", "--attention-backend", "triton", "--model", "/nonexistent/model"), 2,
                          ("'triton' extra", "pip install 'streamer[triton]'"), block=("triton",)),
