@@ -560,8 +560,11 @@ async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None 
         if logged != expected:
             crashes.append(f"store fuzz: the log holds {len(logged)} appends, {len(expected)} were acked; "
                            f"first difference at {next((i for i, (x, y) in enumerate(zip(logged, expected)) if x != y), min(len(logged), len(expected)))}")
-        await producer.close()
+        # The fuzzing connection goes first: both are one client, and the sessions the fuzz made
+        # would otherwise push the producer's (detached first, the oldest) past the per-client
+        # detach cap, which closes it by design.
         await fuzz_ws.close()
+        await producer.close()
     finally:
         done.set()
         await a.stop()
