@@ -564,6 +564,7 @@ async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None 
         # would otherwise push the producer's (detached first, the oldest) past the per-client
         # detach cap, which closes it by design.
         await fuzz_ws.close()
+        await asyncio.sleep(0.5)  # its sessions are detached (the server's side of the close)
         await producer.close()
     finally:
         done.set()
