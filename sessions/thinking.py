@@ -122,11 +122,12 @@ class ThinkingState:
 
 
 def configure(session: Session, config: ThinkingConfig) -> None:
+    """Set (or change) a session's thinking mode. Switching modes keeps written reasoning
+    where it is; a dual thinking cache is created on first use. Refused on a vision-language
+    model (its M-RoPE positions are not threaded through the thinking stream yet)."""
     if config.mode != "off" and session.runner.vl is not None:
         raise InvalidRequest("thinking while reading is not supported on a vision-language model yet "
                              "(mode 'off' only)", param="mode")
-    """Set (or change) a session's thinking mode. Switching modes keeps written reasoning
-    where it is; a dual thinking cache is created on first use."""
     config.validate(session.context_window)
     state = session.thinking
     if state is None or state.config.mode != config.mode:
