@@ -572,8 +572,14 @@ async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None 
     b = await StreamerServer(engine, ServerConfig(port=0, store_url=url, worker_id="b")).start()
     try:  # a second worker replays the log: the same session, the same answer
         peer = await connect(f"ws://127.0.0.1:{b.port}", max_size=None)
-        await peer.send(json.dumps({"type": "session.resume", "session_id": sid, "token": token, "event_id": "r"}))
-        resumed = json.loads(await asyncio.wait_for(peer.recv(), 300))
+        for _ in range(20):  # store_unavailable is recoverable: a client retries it, as the docs say
+            await peer.send(json.dumps({"type": "session.resume", "session_id": sid, "token": token,
+                                        "event_id": "r"}))
+            resumed = json.loads(await asyncio.wait_for(peer.recv(), 300))
+            if resumed["type"] != "error" or resumed["error"]["code"] != "store_unavailable":
+                break
+            outcomes["resume_retried"] = outcomes.get("resume_retried", 0) + 1
+            await asyncio.sleep(0.5)
         if resumed["type"] != "session.resumed" or resumed["last_client_seq"] != n:
             log = await b.store.read_log(sid)
             kinds = [r["kind"] for r in log]
