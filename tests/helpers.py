@@ -8,7 +8,10 @@ completion in one line. `wait_until` is for the tests that need real threads (se
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import Future
 
 from streamer.sessions.engine import Engine, EngineLimits
@@ -68,3 +71,12 @@ async def until(predicate, timeout: float = 60.0, what: str = "the condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def get_json(url):
+    """(status, body) of a JSON GET, errors included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

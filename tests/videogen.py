@@ -10,6 +10,17 @@ import numpy as np
 SCENES = [(0.0, (200, 30, 30)), (2.0, (30, 60, 200)), (4.0, (40, 170, 60))]
 
 
+def picture(seed: int, height: int, width: int) -> np.ndarray:
+    """A frame with structure (gradients, a block) plus noise, so patches differ."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    img = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1),
+                    np.full_like(x, 40 * seed % 256)], -1).astype(np.int16)
+    img[height // 4: height // 2, width // 3: width // 2] = rng.integers(0, 256, 3)
+    img += rng.integers(-20, 21, img.shape)
+    return img.clip(0, 255).astype(np.uint8)
+
+
 def scene_frame(t: float, scenes=SCENES, size=(96, 128)) -> np.ndarray:
     h, w = size
     colour = [c for start, c in scenes if start <= t + 1e-9][-1]

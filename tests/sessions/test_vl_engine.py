@@ -16,6 +16,7 @@ from streamer.sessions.query import query
 from streamer.sessions.runner import ModelRunner
 from streamer.sessions.sampling import SamplingParams
 from streamer.vision.vlm_patches import patchify
+from videogen import picture
 
 TOL = 1e-4
 FRAME_TOKENS = 12
@@ -44,14 +45,7 @@ def vl():
     return tiny_vl(), tiny_vl().model
 
 
-def picture(seed: int, height: int, width: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    img = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1),
-                    np.full_like(x, 40 * seed % 256)], -1).astype(np.int16)
-    img[height // 4: height // 2, width // 3: width // 2] = rng.integers(0, 256, 3)
-    img += rng.integers(-20, 21, img.shape)
-    return img.clip(0, 255).astype(np.uint8)
+
 
 
 def make_core(loaded, **limits) -> EngineCore:

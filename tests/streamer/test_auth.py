@@ -1,9 +1,6 @@
 """API keys (operator and tenant roles) and per-session capability tokens over a real socket."""
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,7 +9,7 @@ from websockets.exceptions import InvalidStatus
 from streamer.auth import ApiKeys, KeysFileError, SessionTokens, key_from_request
 from streamer.server import ServerConfig
 
-from helpers import until
+from helpers import get_json, until
 from wsutil import check_error, next_of, raw, serve
 
 KEY_A = "alpha-key-0123456789"
@@ -197,13 +194,7 @@ def test_config_default_is_open():
     assert not ServerConfig().api_keys.enabled
 
 
-def get_json(url):
-    """(status, body) of a JSON GET, errors included."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+
 
 
 def listed(reply):

@@ -3,7 +3,6 @@ package `chromium`) loads it and is driven over the DevTools protocol; the scree
 under tests/artifacts/ (git-ignored)."""
 
 import asyncio
-import json
 import re
 import shutil
 import tempfile
@@ -12,7 +11,7 @@ import urllib.request
 
 import pytest
 from browserutil import BASE_FLAGS, Browser, chromium_path
-from helpers import until
+from helpers import get_json, until
 from wsutil import check_error, raw, serve
 
 from streamer.auth import ApiKeys
@@ -75,13 +74,7 @@ def test_read_only_tokens_and_operator_credential(tiny_engine):
     serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}, {"ops": "operator"}))
 
 
-def get_json(url):
-    """(status, body) of a JSON GET, errors included."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+
 
 
 def test_first_paint_json_needs_a_token_or_a_key(tiny_engine):

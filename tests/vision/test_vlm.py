@@ -19,17 +19,10 @@ from streamer.sessions.runner import ModelRunner
 from streamer.vision.encoder import Frame
 from streamer.vision.errors import MediaTooLarge, UnsupportedMedia
 from streamer.vision.vlm import EngineFrameEncoder, patchify
+from videogen import picture
 
 
-def picture(seed: int, height: int, width: int) -> np.ndarray:
-    """A frame with structure (gradients, a block) plus noise, so patches differ."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    img = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1),
-                    np.full_like(x, 40 * seed % 256)], -1).astype(np.int16)
-    img[height // 4: height // 2, width // 3: width // 2] = rng.integers(0, 256, 3)
-    img += rng.integers(-20, 21, img.shape)
-    return img.clip(0, 255).astype(np.uint8)
+
 
 
 def test_patch_layout_follows_the_vision_tower_layout():
