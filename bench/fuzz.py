@@ -422,6 +422,18 @@ class _Redis:
         self.proc.wait(10)
 
 
+async def _read_log(store, sid: str) -> list[dict]:
+    """The bench reads the log back like a client would: a timed-out read is retried."""
+    from streamer.store import StoreError
+
+    for _ in range(20):
+        try:
+            return await store.read_log(sid)
+        except StoreError:
+            await asyncio.sleep(0.5)
+    return await store.read_log(sid)
+
+
 async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None = None) -> tuple[int, list[str]]:
     """Store faults under a stream: a producer pipelines `n` appends (with client_seq, resending
     from the first `store_unavailable` on, as the SDK does) while a second connection sends fuzzed
@@ -553,7 +565,7 @@ async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None 
         await producer.send(json.dumps({**question, "session_id": sid, "event_id": "q"}))
         while (answer := json.loads(await asyncio.wait_for(producer.recv(), 60))).get("reply_to") != "q":
             pass
-        log = await a.store.read_log(sid)
+        log = await _read_log(a.store, sid)
         logged = [r["text"] for r in log if r["kind"] == "append"]
         # inputs after a refused one are refused until it is resent: the log is in client_seq order
         expected = [text for _, (_, text) in sorted(acked.items())]
@@ -581,7 +593,7 @@ async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None 
             outcomes["resume_retried"] = outcomes.get("resume_retried", 0) + 1
             await asyncio.sleep(0.5)
         if resumed["type"] != "session.resumed" or resumed["last_client_seq"] != n:
-            log = await b.store.read_log(sid)
+            log = await _read_log(b.store, sid)
             kinds = [r["kind"] for r in log]
             crashes.append(f"store fuzz: resume on a second worker gave {resumed}; the log holds {len(log)} "
                            f"records, first {kinds[:1]}, {kinds.count('close')} close, "

@@ -98,11 +98,8 @@ class LogWriter:
         try:
             try:
                 await self.store.append(sid, data, n=n, rid=rid)
-            except StoreLost:
+            except (StoreLost, LogGap):  # the store lost it, or an earlier re-write was cut off
                 await self.relog(sid, pipe)
-                await self.store.append(sid, data, n=n, rid=rid)
-            except LogGap:  # an earlier re-write was cut off: finish it
-                await self.relog(sid, pipe, cut_off=True)
                 await self.store.append(sid, data, n=n, rid=rid)
         except (StoreError, OSError, ConnectionError) as exc:
             self.counters["log_errors"] += 1
@@ -126,25 +123,25 @@ class LogWriter:
             return
         pipe.mirror.append((n, rid, record))
 
-    async def relog(self, sid: str, pipe: Pipe, cut_off: bool = False) -> None:
-        """The store lost the session: claim it again and write its log back from memory.
-        `cut_off`: a re-write that the store's next failure interrupted (the log is shorter
-        than this worker wrote, and still ours): write the rest."""
+    async def relog(self, sid: str, pipe: Pipe) -> int:
+        """The store lost the session (it restarted empty), or a re-write of it was cut off by
+        the next fault: claim it again and write back from memory what the log lacks (the
+        records it holds are this worker's: only the owner appends). Returns how many."""
         if pipe.mirror is None:
             raise unavailable(f"the store lost the log of session {sid} and its copy here is over "
                               f"{self.relog_max_bytes} bytes; close and recreate the session", recoverable=False)
-        have = 0
-        if cut_off:
-            have = await self.store.log_length(sid)  # positions 1..have hold our records (appends are ours alone)
-        else:
-            owner = await self.store.claim(sid)
-            if owner is not None:
-                raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
-        for n, rid, record in pipe.mirror:
-            if n > have:
-                await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
-        self.counters["relogged"] += 1
-        log.warning("the store lost session %s: re-claimed and re-wrote its %d records", sid, len(pipe.mirror))
+        owner = await self.store.claim(sid)
+        if owner is not None:
+            raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
+        have = await self.store.log_length(sid)
+        missing = [(n, rid, record) for n, rid, record in pipe.mirror if n > have]
+        for n, rid, record in missing:
+            await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
+        if missing:
+            self.counters["relogged"] += 1
+            log.warning("the store lacked %d of the %d records of session %s: re-claimed and re-wrote them",
+                        len(missing), len(pipe.mirror), sid)
+        return len(missing)
 
     async def settle(self, sid: str, pipe: Pipe) -> None:
         """Resolve the pending record, if any (under the session's lock)."""
@@ -209,6 +206,19 @@ class EventLog:
         self.writes: set[asyncio.Task] = set()
         self.counters = {"log_records": 0, "log_errors": 0, "log_settled": 0, "log_fenced": 0, "relogged": 0}
         self.writer = LogWriter(store, directory, relog_max_bytes, self.counters)
+
+    async def store_restarted(self) -> None:
+        """The store forgot this worker (its heartbeat key was gone: Redis restarted empty):
+        every session this worker logs is re-claimed and its log re-written now, not at its
+        next change, so acked inputs are durable again even if no input comes."""
+        for sid, pipe in list(self.pipes.items()):
+            if pipe.closed or pipe.mirror is None:
+                continue
+            async with pipe.lock:
+                try:
+                    await self.writer.relog(sid, pipe)
+                except (EngineError, StoreError, OSError, ConnectionError) as exc:
+                    log.warning("re-writing the log of session %s after the store restarted: %s", sid, exc)
 
     def spawn(self, coro) -> asyncio.Task:
         """A change or store write owned by the log, not by a connection (it survives the client)."""

@@ -86,6 +86,7 @@ class RedisStore(Store):
         self._claim = self.redis.register_script(_CLAIM)
         self._locks: dict[str, asyncio.Lock] = {}
         self._closed = False
+        self._beaten = False  # a heartbeat has been written (a later one that finds none: forgotten)
 
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -98,9 +99,15 @@ class RedisStore(Store):
         await self.heartbeat()
         return self
 
-    async def heartbeat(self) -> None:
-        await self._do(self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
-                                      px=int(WORKER_TTL_S * 1000)))
+    async def heartbeat(self) -> bool:
+        # The previous value comes back with the write: none after an earlier beat means the
+        # key vanished before its TTL (a beat is due every HEARTBEAT_S < WORKER_TTL_S): Redis
+        # restarted empty, or this worker stalled past its TTL.
+        before = await self._do(self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
+                                               px=int(WORKER_TTL_S * 1000), get=True))
+        forgotten = before is None and self._beaten
+        self._beaten = True
+        return forgotten
 
     async def close(self) -> None:
         if self._closed:

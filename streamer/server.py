@@ -141,7 +141,8 @@ class StreamerServer:
         self.store.worker_url = cfg.public_url or f"ws://{cfg.host}:{self.port}"
         await self.store.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(heartbeat_loop(self.store)), loop.create_task(self.snapshots.run())]
+        self._tasks = [loop.create_task(heartbeat_loop(self.store, on_forgotten=self.events.store_restarted)),
+                       loop.create_task(self.snapshots.run())]
         if self.mqtt is not None:
             self.mqtt.announce(self.store.worker_url)
         log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,

@@ -83,8 +83,10 @@ class Store:
     async def start(self) -> "Store":
         return self
 
-    async def heartbeat(self) -> None:
-        """Say this worker is alive (and where it listens)."""
+    async def heartbeat(self) -> bool:
+        """Say this worker is alive (and where it listens). True when the store had forgotten
+        this worker since its last beat (it restarted empty): its sessions need re-writing."""
+        return False
 
     async def flush(self) -> None:
         """Everything appended so far is durable (appends already are when they return)."""
@@ -393,12 +395,17 @@ def open_store(url: str | None, worker_id: str | None = None, retention_s: float
     return FileStore(url, worker_id=worker_id, retention_s=retention_s)
 
 
-async def heartbeat_loop(store: Store, interval_s: float = HEARTBEAT_S) -> None:
+async def heartbeat_loop(store: Store, interval_s: float = HEARTBEAT_S, on_forgotten=None) -> None:
+    """Beat every `interval_s`; when the store had forgotten this worker, await `on_forgotten()`
+    (the event log re-writes what it lost)."""
+    import logging
+
     while True:
         try:
-            await store.heartbeat()
+            if await store.heartbeat() and on_forgotten is not None:
+                logging.getLogger(__name__).warning("the store had forgotten this worker (restarted empty?): "
+                                                    "re-writing the logs of its sessions")
+                await on_forgotten()
         except Exception:  # a Redis hiccup must not stop the beat for good
-            import logging
-
             logging.getLogger(__name__).warning("heartbeat to the store failed", exc_info=True)
         await asyncio.sleep(interval_s)

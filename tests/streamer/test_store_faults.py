@@ -202,3 +202,50 @@ def test_store_faults_then_kill9_replays_every_acked_input(tmp_path):
         asyncio.run(asyncio.wait_for(main(), 400))
     finally:
         redis.close()
+
+
+def test_a_store_restarted_empty_gets_the_logs_back_with_no_new_input(tiny_engine, tmp_path):
+    """Redis restarts empty after the last acked input and no input follows: the worker's next
+    heartbeat finds itself forgotten and re-writes the logs of its sessions from memory, so a
+    second worker still replays every acked input (durability does not wait for a next write)."""
+    redis = PrivateRedis(tmp_path)
+
+    async def main():
+        await redis.ready()
+        url = f"redis://127.0.0.1:{redis.port}/0?socket_timeout=0.5&socket_connect_timeout=0.5"
+        a = await StreamerServer(tiny_engine, ServerConfig(port=0, store_url=url, worker_id="a")).start()
+        try:
+            peer = await raw(f"ws://127.0.0.1:{a.port}")
+            created = await peer.request({"type": "session.create", "system_prompt": SYSTEM})
+            sid, token = created["session_id"], created["tokens"]["producer"]
+            await stream(peer, sid, CHUNKS[:3])
+            live = await ask(peer, sid)
+            redis.kill()
+            redis.start()
+            await redis.ready()
+
+            async def rewritten():
+                try:
+                    return len(await a.store.read_log(sid)) == 4 or None
+                except Exception:
+                    return None
+
+            await until(rewritten, 30, "the worker to re-write the lost log")
+            assert a.events.counters["relogged"] == 1
+            await peer.ws.close()
+        finally:
+            await a.stop()
+        b = await StreamerServer(tiny_engine, ServerConfig(port=0, store_url=url, worker_id="b")).start()
+        try:
+            peer = await raw(f"ws://127.0.0.1:{b.port}")
+            resumed = await peer.request({"type": "session.resume", "session_id": sid, "token": token})
+            assert resumed["type"] == "session.resumed" and resumed["last_client_seq"] == 3, resumed
+            assert await ask(peer, sid) == live
+            await peer.ws.close()
+        finally:
+            await b.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        redis.close()
