@@ -25,9 +25,11 @@ from test_durability import CHUNKS, QUESTION, SYSTEM, stream  # noqa: E402
 
 
 class PrivateRedis:
-    """A redis-server of the test's own on a free port, with no persistence: a restart is empty."""
+    """A redis-server of the test's own on a free port. No persistence: a restart is empty;
+    `persist`: an append-only file synced on every write, so a restart after SIGKILL keeps it all."""
 
-    def __init__(self, tmp) -> None:
+    def __init__(self, tmp, persist: bool = False) -> None:
+        self.persist = persist
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("needs redis-server (Debian package redis-server)")
@@ -38,7 +40,8 @@ class PrivateRedis:
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--save", "", *aof,
                                       "--dir", str(self.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def ready(self) -> None:
@@ -247,5 +250,67 @@ def test_a_store_restarted_empty_gets_the_logs_back_with_no_new_input(tiny_engin
 
     try:
         asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        redis.close()
+
+
+@pytest.mark.parametrize("fault", ["killed", "stalled", "restarted_empty"])
+def test_each_store_fault_then_kill9_keeps_every_acked_input(fault, tmp_path):
+    """One fault at a time in the middle of a stream, then the worker is killed with SIGKILL:
+    - killed: Redis is killed with SIGKILL (the input is refused) and comes back with its data
+      (an append-only file);
+    - stalled: a write times out while Redis is stopped (it may land when Redis wakes);
+    - restarted_empty: Redis comes back with nothing (the worker re-writes the log from memory).
+    A second worker adopts the session by replay: every acked input is there once, in order;
+    the one input sent during the fault is either absent (and its resend is accepted) or was
+    logged after all (and its resend is acknowledged as a duplicate); the answer equals a control
+    session's fed the same inputs. Tiny model (`--model tiny`): the store path is what is tested."""
+    from procutil import ServerProcess
+
+    redis = PrivateRedis(tmp_path, persist=fault == "killed")
+    texts = [f" Row {i}: the {w} held." for i, w in enumerate(["wind", "tide", "fog", "rain", "calm", "sun"])]
+
+    async def main():
+        await redis.ready()
+        url = f"redis://127.0.0.1:{redis.port}/0?socket_timeout=0.5&socket_connect_timeout=0.5"
+        with ServerProcess("--model", "tiny", "--store", url, "--worker-id", "wa") as a:
+            peer = await raw(a.url)
+            created = await peer.request({"type": "session.create", "system_prompt": SYSTEM})
+            sid, token = created["session_id"], created["tokens"]["producer"]
+            await stream(peer, sid, texts[:2])
+            if fault == "stalled":
+                redis.stall()
+                check_error(await append(peer, sid, texts[2], 3), "store_unavailable")
+                redis.resume()
+            else:  # killed: back with its data; restarted_empty: back with nothing
+                redis.kill()
+                check_error(await append(peer, sid, texts[2], 3), "store_unavailable")
+                redis.start()
+                await redis.ready()
+            resent = await append(peer, sid, texts[2], 3)  # as the SDK does: the same client_seq
+            assert resent["type"] == "input.ack", resent
+            await stream(peer, sid, texts[3:], first_seq=4)
+            a.kill()
+        with ServerProcess("--model", "tiny", "--store", url, "--worker-id", "wb") as b:
+            peer = await raw(b.url)
+
+            async def adopted():  # the dead worker's heartbeat must expire first
+                reply = await peer.request({"type": "session.resume", "session_id": sid, "token": token})
+                return reply if reply["type"] == "session.resumed" else None
+
+            resumed = await until(adopted, 60, "worker b to adopt the session")
+            assert resumed["last_client_seq"] == len(texts) and resumed["session"]["last_seq"] == len(texts)
+            control = await peer.create(system_prompt=SYSTEM)
+            await stream(peer, control, texts)
+            assert await ask(peer, sid) == await ask(peer, control)
+            from streamer.store import open_store
+
+            store = await open_store(url, worker_id="reader").start()
+            records = await store.read_log(sid)
+            await store.redis.aclose()
+        assert [r["text"] for r in records if r["kind"] == "append"] == texts  # each once, in order
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 300))
     finally:
         redis.close()
