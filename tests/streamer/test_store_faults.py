@@ -72,6 +72,26 @@ async def ask(peer, sid):
     return (await peer.until("query.done"))[-1]["text"]
 
 
+async def adopt_and_check(peer, url, sid, token, texts, system_prompt, ask_):
+    """A second worker (`peer` on it) adopts the dead worker's session by replay: every acked
+    input is there once, in order, and it answers as a control session fed the same inputs."""
+    from streamer.store import open_store
+
+    async def adopted():  # the dead worker's heartbeat must expire first
+        reply = await peer.request({"type": "session.resume", "session_id": sid, "token": token})
+        return reply if reply["type"] == "session.resumed" else None
+
+    resumed = await until(adopted, 60, "the second worker to adopt the session")
+    assert resumed["last_client_seq"] == len(texts) and resumed["session"]["last_seq"] == len(texts)
+    control = await peer.create(system_prompt=system_prompt)
+    await stream(peer, control, texts)
+    assert await ask_(peer, sid) == await ask_(peer, control)
+    store = await open_store(url, worker_id="reader").start()
+    records = await store.read_log(sid)
+    await store.redis.aclose()
+    assert [r["text"] for r in records if r["kind"] == "append"] == texts  # each once, in order
+
+
 def test_store_faults_cost_no_acked_input_and_resends_are_accepted(tiny_engine, tmp_path):
     redis = PrivateRedis(tmp_path)
 
@@ -183,23 +203,7 @@ def test_store_faults_then_kill9_replays_every_acked_input(tmp_path):
             await stream(peer, sid, LOG[4:], first_seq=5)
             a.kill()
         with ServerProcess("--store", url, "--worker-id", "wb") as b:
-            peer = await raw(b.url)
-
-            async def adopted():  # the dead worker's heartbeat must expire first
-                reply = await peer.request({"type": "session.resume", "session_id": sid, "token": token})
-                return reply if reply["type"] == "session.resumed" else None
-
-            resumed = await until(adopted, 60, "worker b to adopt the session")
-            assert resumed["last_client_seq"] == len(LOG) and resumed["session"]["last_seq"] == len(LOG)
-            control = await peer.create(system_prompt=PROMPT)
-            await stream(peer, control, LOG)
-            assert await ask_(peer, sid) == await ask_(peer, control)
-            from streamer.store import open_store
-
-            store = await open_store(url, worker_id="reader").start()
-            records = await store.read_log(sid)
-            await store.redis.aclose()
-        assert [r["text"] for r in records if r["kind"] == "append"] == LOG  # each once, in order
+            await adopt_and_check(await raw(b.url), url, sid, token, LOG, PROMPT, ask_)
 
     try:
         asyncio.run(asyncio.wait_for(main(), 400))
@@ -292,23 +296,7 @@ def test_each_store_fault_then_kill9_keeps_every_acked_input(fault, tmp_path):
             await stream(peer, sid, texts[3:], first_seq=4)
             a.kill()
         with ServerProcess("--model", "tiny", "--store", url, "--worker-id", "wb") as b:
-            peer = await raw(b.url)
-
-            async def adopted():  # the dead worker's heartbeat must expire first
-                reply = await peer.request({"type": "session.resume", "session_id": sid, "token": token})
-                return reply if reply["type"] == "session.resumed" else None
-
-            resumed = await until(adopted, 60, "worker b to adopt the session")
-            assert resumed["last_client_seq"] == len(texts) and resumed["session"]["last_seq"] == len(texts)
-            control = await peer.create(system_prompt=SYSTEM)
-            await stream(peer, control, texts)
-            assert await ask(peer, sid) == await ask(peer, control)
-            from streamer.store import open_store
-
-            store = await open_store(url, worker_id="reader").start()
-            records = await store.read_log(sid)
-            await store.redis.aclose()
-        assert [r["text"] for r in records if r["kind"] == "append"] == texts  # each once, in order
+            await adopt_and_check(await raw(b.url), url, sid, token, texts, SYSTEM, ask)
 
     try:
         asyncio.run(asyncio.wait_for(main(), 300))
