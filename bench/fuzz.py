@@ -386,6 +386,14 @@ class _Redis:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.tmp, self.proc, self.stalled = tmp, None, False
+        import atexit
+
+        atexit.register(self.reap)  # never left running by a run that stopped on an error
+
+    def reap(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
 
     def start(self) -> None:
         import subprocess
