@@ -201,12 +201,12 @@ class EngineCore:
             for job, _ in batch:
                 self._finish(job, EngineError(f"model step failed: {exc}", code=Code.INTERNAL_ERROR))
             return
-        s = self.stats
+        s, tokens = self.stats, sum(step.n for step in steps)
         s.steps += 1
-        s.step_tokens += sum(step.n for step in steps)
+        s.step_tokens += tokens
         s.step_sequences += len(steps)
         s.step_seconds += time.perf_counter() - started
-        rows, tokens = iter(logits), sum(step.n for step in steps)
+        rows = iter(logits)
         for job, job_steps in batch:
             job.stepped(s.steps, tokens)
             try:

@@ -60,8 +60,7 @@ class StepPlan:
 def owner_of(job: Job) -> str:
     """Whose work a job is, for the fair share: its session's owner (the API key, else the
     client that created it), else the session itself."""
-    session = job.session
-    return getattr(session, "owner", None) or session.id
+    return job.session.owner or job.session.id
 
 
 @dataclass(slots=True)

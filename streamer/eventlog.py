@@ -123,10 +123,10 @@ class LogWriter:
             return
         pipe.mirror.append((n, rid, record))
 
-    async def relog(self, sid: str, pipe: Pipe) -> int:
+    async def relog(self, sid: str, pipe: Pipe) -> None:
         """The store lost the session (it restarted empty), or a re-write of it was cut off by
         the next fault: claim it again and write back from memory what the log lacks (the
-        records it holds are this worker's: only the owner appends). Returns how many."""
+        records it holds are this worker's: only the owner appends)."""
         if pipe.mirror is None:
             raise unavailable(f"the store lost the log of session {sid} and its copy here is over "
                               f"{self.relog_max_bytes} bytes; close and recreate the session", recoverable=False)
@@ -141,7 +141,6 @@ class LogWriter:
             self.counters["relogged"] += 1
             log.warning("the store lacked %d of the %d records of session %s: re-claimed and re-wrote them",
                         len(missing), len(pipe.mirror), sid)
-        return len(missing)
 
     async def settle(self, sid: str, pipe: Pipe) -> None:
         """Resolve the pending record, if any (under the session's lock)."""
