@@ -73,6 +73,17 @@ def test_cli_streams_a_plain_mp4_file(media_engine, tmp_path):
     assert any(e["event"] == "answer" for e in events)
 
 
+def run_realtime(media_engine, path):
+    """`streamer client media PATH --realtime` against a real server: its JSON events, and the
+    video counters of its final `done` event."""
+
+    async def test(url, server):
+        return await asyncio.get_running_loop().run_in_executor(None, run_cli, url, str(path), "--realtime")
+
+    events = serve(media_engine, test)
+    return events, next(e for e in events if e["event"] == "done")["media"]["video"]
+
+
 def test_cli_realtime_keeps_every_sampled_frame_and_the_cut_time(media_engine, tmp_path):
     """--realtime on a 6 s clip (25 fps, a cut at 3.0 s, one keyframe): every frame is sent when
     it is due, so the 2 fps sampler's frames come one by one, none is dropped, and the cut is
@@ -86,11 +97,7 @@ def test_cli_realtime_keeps_every_sampled_frame_and_the_cut_time(media_engine, t
         keyframes = [p.pts * p.time_base for p in c.demux(video=0) if p.is_keyframe and p.pts is not None]
     assert len(keyframes) == 1
 
-    async def test(url, server):
-        return await asyncio.get_running_loop().run_in_executor(None, run_cli, url, str(path), "--realtime")
-
-    events = serve(media_engine, test)
-    video = next(e for e in events if e["event"] == "done")["media"]["video"]
+    events, video = run_realtime(media_engine, path)
     assert video["decoded"] == 150 and video["errors"] == 0
     assert video["sampled"] == 12 and video["dropped"] == 0 and video["encoded"] == 12
     observations = [e for e in events if e["event"] == "observation"]
@@ -108,11 +115,7 @@ def test_cli_realtime_paces_webm_and_mpegts_by_their_packets(media_engine, tmp_p
     path.write_bytes(encode_video(fmt, seconds=6.0, fps=10, scenes=[(0.0, (200, 30, 30)), (3.0, (40, 170, 60))]))
     assert path.stat().st_size < 2 * 32 * 1024  # at most two default pieces of bytes
 
-    async def test(url, server):
-        return await asyncio.get_running_loop().run_in_executor(None, run_cli, url, str(path), "--realtime")
-
-    events = serve(media_engine, test)
-    video = next(e for e in events if e["event"] == "done")["media"]["video"]
+    events, video = run_realtime(media_engine, path)
     assert video["decoded"] == 60 and video["errors"] == 0
     assert video["sampled"] == 12 and video["dropped"] == 0 and video["encoded"] == 12
     cuts = [e["start_s"] for e in events if e["event"] == "observation" and "scene_cut" in (e["events"] or [])]
