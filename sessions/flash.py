@@ -159,7 +159,7 @@ class FlashJob(Job):
         if thinking is not None and thinking.cache is not None and thinking.cache.length:
             # as QueryJob: with dual thinking a question sees the reading cache and the notes
             self.prefixes += ((thinking.cache, thinking.cache.length),)
-            self.pos0 = max(self.base, thinking.last_position + 1)
+            self.pos0 = max(session.next_position, thinking.last_position + 1)
         self.version = session.data_version
         self.media_s = session.media_s
         self.data_at = session.last_input_at or time.time()  # when the data it reads was accepted

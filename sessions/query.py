@@ -116,7 +116,7 @@ class QueryJob(Job):
             # Dual thinking: the question sees the reading cache and the notes, and its
             # positions come after both streams.
             self.prefixes = ((s.cache, self.base), (thinking.cache, thinking.cache.length))
-            self.pos0 = max(self.base, thinking.last_position + 1)
+            self.pos0 = max(s.next_position, thinking.last_position + 1)
         room = s.context_window - self.pos0 - len(self.question_ids)
         if room < 1:
             raise ContextOverflow(

@@ -10,7 +10,8 @@ Modes (per session):
   earlier reasoning, where `visible` is the reading length when the unit starts; written
   reasoning is frozen. The thinking stream has its own positions: `positions="after"` (stock
   models) places each token after the input it can see (`visible + t`, monotone because
-  `visible` only grows); `positions="group"` (checkpoints trained for streaming) uses
+  `visible` only grows; on a vision-language model `visible` is the reading's next position,
+  which a frame puts below its length); `positions="group"` (checkpoints trained for streaming) uses
   `offset + t`.
 
 A unit runs after input arrives (each chunk, or every `every_tokens` new tokens), with a
@@ -88,6 +89,7 @@ class Unit:
     final: bool = False
     started_at: float = 0.0
     done_at: float = 0.0
+    visible_pos: int = 0  # the reading's next position when it started (= visible on a text model)
 
     def public(self) -> dict:
         return {"unit": self.index, "seq_range": list(self.seqs), "visible_tokens": self.visible,
@@ -123,11 +125,8 @@ class ThinkingState:
 
 def configure(session: Session, config: ThinkingConfig) -> None:
     """Set (or change) a session's thinking mode. Switching modes keeps written reasoning
-    where it is; a dual thinking cache is created on first use. Refused on a vision-language
-    model (its M-RoPE positions are not threaded through the thinking stream yet)."""
-    if config.mode != "off" and session.runner.vl is not None:
-        raise InvalidRequest("thinking while reading is not supported on a vision-language model yet "
-                             "(mode 'off' only)", param="mode")
+    where it is; a dual thinking cache is created on first use. On a vision-language model the
+    notes are text after the reading's next position (sessions/multimodal.py), as questions are."""
     config.validate(session.context_window)
     state = session.thinking
     if state is None or state.config.mode != config.mode:
@@ -232,7 +231,7 @@ class ThinkJob(Job):
         self._make_room(len(self.to_feed) + self.budget + reopen + 1)
         start = state.cache.length if self.dual else visible
         self.unit = Unit(len(state.units) + state.dropped_units, (first, last), visible, start, start,
-                         final=self.final, started_at=time.monotonic())
+                         final=self.final, started_at=time.monotonic(), visible_pos=s.next_position)
         state.seen_tokens, state.seen_seq = visible, last
 
     def want(self) -> int:
@@ -279,10 +278,10 @@ class ThinkJob(Job):
         """Position of the next reasoning token."""
         state, c = self.state, self.config
         if not self.dual:
-            return self.session.cache.length
+            return self.session.next_position
         if c.positions == "group":
             return c.offset + state.cache.length
-        return max(self.unit.visible + state.cache.length, state.last_position + 1)
+        return max(self.unit.visible_pos + state.cache.length, state.last_position + 1)
 
     def plan(self, budget: int) -> list[SeqStep]:
         s = self.session
@@ -299,7 +298,7 @@ class ThinkJob(Job):
             cache = self.state.cache
             return [SeqStep(cache, cache.length, tokens, prefixes=((s.cache, self.unit.visible),),
                             pos0=self._position() - cache.length)]
-        return [SeqStep(s.cache, s.cache.length, tokens)]
+        return [SeqStep(s.cache, s.cache.length, tokens, pos0=s.position_offset)]
 
     def complete_many(self, rows: list[torch.Tensor]) -> None:
         n, position = self._planned, self._position()

@@ -260,7 +260,7 @@ def _evict_range(s: Session, first: int, drop: int) -> list:
     for chunk in s.chunks[first:]:
         chunk.start -= shift
     s.crop_epoch += 1  # forks reading the old positions (flash, dual units) are now stale
-    _reanchor_thinking(s, a, shift)
+    _reanchor_thinking(s, gone)
     seqs = [c.seq for c in gone if c.seq]
     if s.segments:
         s.segments = {k: v for k, v in s.segments.items() if v not in seqs}
@@ -278,21 +278,29 @@ def _evict_range(s: Session, first: int, drop: int) -> list:
     return gone
 
 
-def _reanchor_thinking(session: Session, a: int, shift: int) -> None:
+def _reanchor_thinking(session: Session, gone: list) -> None:
     """The notes of a dual thinking cache sit after the reading positions they saw: a unit that
-    saw the evicted inputs moves down with the reading cache (by the part of the gap it saw),
-    so thinking positions stay bounded too."""
+    saw evicted inputs moves down with the reading cache by what it saw of them (their tokens in
+    the reading, their positions in its own: a VL frame takes fewer positions than tokens), so
+    thinking positions stay bounded too. Eviction takes whole inputs, and a unit starts between
+    inputs, so it saw each evicted input whole or not at all."""
     state = session.thinking
     if state is None or state.cache is None:
         return
+
+    def seen(upto: int) -> tuple[int, int]:  # tokens and positions of the evicted inputs before `upto`
+        saw = [c for c in gone if c.end <= upto]
+        return sum(len(c.tokens) for c in saw), sum(c.span for c in saw)
+
     for unit in state.units:
-        delta = min(shift, max(0, unit.visible - a))
-        if delta:
-            unit.visible -= delta
-            rotate_keys(state.cache, unit.start, unit.end - unit.start, -delta, session.runner.inv_freq)
-            unit.positions = (unit.positions[0] - delta, unit.positions[1] - delta)
+        tokens, turn = seen(unit.visible)
+        if tokens:
+            unit.visible -= tokens
+            unit.visible_pos -= turn
+            rotate_keys(state.cache, unit.start, unit.end - unit.start, -turn, session.runner.inv_freq)
+            unit.positions = (unit.positions[0] - turn, unit.positions[1] - turn)
     state.last_position = state.units[-1].positions[1] if state.units else -1
-    state.seen_tokens -= min(shift, max(0, state.seen_tokens - a))
+    state.seen_tokens -= seen(state.seen_tokens)[0]
 
 
 # ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from streamer.sessions import flash as flash_commands, jobs
+from streamer.sessions import flash as flash_commands, jobs, thinking
 from streamer.sessions.engine import EngineCore, EngineLimits
 from streamer.sessions.errors import InvalidRequest
 from streamer.sessions.multimodal import frame_input
 from streamer.sessions.query import query
 from streamer.sessions.runner import ModelRunner
 from streamer.sessions.sampling import SamplingParams
+from streamer.sessions.thinking import ThinkJob
 from streamer.vision.vlm_patches import patchify
 from videogen import picture
 
@@ -73,6 +74,15 @@ def stock_inputs(ref, ids: list[int], images: list[np.ndarray]) -> dict:
             "mm_token_type_ids": (input_ids == cfg.image_token_id).int()}
 
 
+def stock_greedy(ref, prompt: list[int], images: list[np.ndarray], n: int, stop) -> list[int]:
+    """The stock model's greedy continuation of a multimodal prompt, up to a stop id."""
+    inputs = stock_inputs(ref, prompt, images)
+    with torch.no_grad():
+        out = ref.generate(**inputs, max_new_tokens=n, do_sample=False)
+    want = out[0, len(prompt):].tolist()
+    return want[:next((i for i, t in enumerate(want) if t in stop), len(want))]
+
+
 def test_frames_and_text_chunk_by_chunk_equal_one_forward(vl):
     """Two sessions fed at once (batched steps; a small step budget also splits each frame over
     steps): after every input, the session's logits equal one stock forward over the whole
@@ -127,14 +137,7 @@ def test_question_on_a_video_session_equals_stateless_greedy(vl):
     core.run_until_idle()
     got = fut.result()
     prompt = s.context_ids() + s.question_ids(question)
-    inputs = stock_inputs(ref, prompt, images)
-    with torch.no_grad():
-        out = ref.generate(**inputs, max_new_tokens=12, do_sample=False)
-    want = out[0, len(prompt):].tolist()
-    stop = core.stop_ids
-    if any(t in stop for t in want):
-        want = want[:next(i for i, t in enumerate(want) if t in stop)]
-    assert got.tokens == want
+    assert got.tokens == stock_greedy(ref, prompt, images, 12, core.stop_ids)
     assert (s.cache.length, s.next_position, s.data_version) == before  # the question left no trace
 
 
@@ -200,20 +203,15 @@ def test_a_slid_window_equals_a_fresh_prefill_of_the_kept_inputs(one_layer, wind
     assert (s.last_logits - f.last_logits).abs().max().item() <= TOL
 
 
-def test_text_models_refuse_frames_and_vl_sessions_refuse_thinking(vl, tiny):
+def test_text_models_refuse_frames(vl, tiny):
     text_core = EngineCore(tiny[0], EngineLimits(kv_budget_bytes=8 << 20))
     sid = open_session(text_core)
     loaded, _ = vl
     core = make_core(loaded)
-    vsid = open_session(core)
     frame = frame_input(core.runner.vl, picture(1, 56, 56), 4)
     with pytest.raises(InvalidRequest) as err:
         jobs.append_frame(text_core, sid, frame, "frame")
     assert err.value.code == "unsupported_media"
-    from streamer.sessions import thinking
-
-    with pytest.raises(InvalidRequest):
-        thinking.configure_command(core, vsid, {"mode": "dual"})
 
 
 def test_positions_and_logits_do_not_depend_on_how_text_is_split_around_frames(vl):
@@ -297,3 +295,121 @@ def test_a_vlm_with_packed_linear_layers_reads_frames(weights):
     fut = query(core, sid, "What is it?", SamplingParams(max_tokens=3))
     core.run_until_idle()
     assert fut.result().tokens and torch.isfinite(core.sessions[sid].last_logits).all()
+
+
+def run_unit(core, session) -> ThinkJob:
+    """One reasoning unit, driven step by step on the core's runner."""
+    job = ThinkJob(session, core.stop_ids)
+    while not job.done:
+        steps = job.plan(512)
+        if steps:
+            job.complete_many(core.runner.forward(steps, logits="last"))
+    return job
+
+
+def video_session(core, images) -> str:
+    sid = open_session(core)
+    for k, img in enumerate(images):
+        add_frame(core, sid, img, k * 0.5)
+        jobs.append(core, sid, f" note {k}")
+    core.run_until_idle()
+    return sid
+
+
+def test_dual_thinking_on_a_video_session_notes_after_the_frames_and_questions_read_them(vl):
+    """Dual thinking on a VLM: a unit's notes are greedy text after the frames it saw (at the
+    reading's next position, below its length), the reading cache is untouched, and a question
+    then equals stateless greedy over the frames, the notes and the question as one sequence."""
+    loaded, ref = vl
+    core = make_core(loaded)
+    images = [picture(6, 120, 90), picture(7, 90, 120)]
+    sid = video_session(core, images)
+    s = core.sessions[sid]
+    before = (s.cache.length, s.next_position, s.cache.snapshot())
+    assert s.next_position < s.cache.length
+    thinking.configure_command(core, sid, {"mode": "dual", "unit_tokens": 8, "stop": "budget"})
+    job = run_unit(core, s)
+    header = s.tokenize(s.framing.question_text(job.config.instruction()))
+    assert job.fed == header + job.generated and job.generated
+    assert job.generated == stock_greedy(ref, s.context_ids() + header, images, 8, core.stop_ids)
+    unit = s.thinking.units[-1]
+    assert unit.visible_pos == before[1]
+    assert unit.positions == (before[1] + len(header), before[1] + len(job.fed) - 1)
+    assert (s.cache.length, s.next_position) == before[:2] and torch.equal(s.cache.snapshot(), before[2])
+    question = "What is in the notes?"
+    fut = query(core, sid, question, SamplingParams(max_tokens=10))
+    core.run_until_idle()
+    prompt = s.context_ids() + job.fed + s.question_ids(question)
+    assert fut.result().tokens == stock_greedy(ref, prompt, images, 10, core.stop_ids)
+
+
+def test_interleaved_thinking_on_a_video_session_keeps_the_model_positions(vl):
+    """Interleaved notes go into the reading cache as text at the reading's next position: a
+    frame after them still continues the model's own positions, and the logits and a question
+    equal the stock model over the whole sequence."""
+    loaded, ref = vl
+    core = make_core(loaded)
+    images = [picture(8, 100, 100), picture(9, 64, 120)]
+    sid = video_session(core, images[:1])
+    s = core.sessions[sid]
+    thinking.configure_command(core, sid, {"mode": "interleaved", "unit_tokens": 6, "stop": "budget"})
+    job = run_unit(core, s)
+    assert s.chunks[-1].seq == 0 and s.chunks[-1].tokens == job.fed
+    thinking.configure_command(core, sid, {"mode": "off"})  # no further units: the oracle is one sequence
+    add_frame(core, sid, images[1], 1.0)
+    jobs.append(core, sid, " end")
+    core.run_until_idle()
+    inputs = stock_inputs(ref, s.context_ids(), images)
+    with torch.no_grad():
+        want = ref(**inputs).logits[0, -1]
+        positions, _ = ref.model.get_rope_index(inputs["input_ids"], image_grid_thw=inputs["image_grid_thw"],
+                                                mm_token_type_ids=inputs["mm_token_type_ids"])
+    assert s.next_position == int(positions.max()) + 1
+    assert (s.last_logits - want).abs().max().item() <= TOL
+    question = "What came last?"
+    fut = query(core, sid, question, SamplingParams(max_tokens=8))
+    core.run_until_idle()
+    assert fut.result().tokens == stock_greedy(ref, s.context_ids() + s.question_ids(question), images, 8,
+                                               core.stop_ids)
+
+
+def test_dual_thinking_in_a_sliding_video_window_moves_notes_with_the_frames_they_saw(vl):
+    """Many frames through a window with a vision bound while dual units run after each input:
+    when old frames go, each unit's notes move down by the positions it saw of them (a frame
+    takes fewer positions than tokens), so a unit's notes keep their place after the reading it
+    saw, and thinking positions stay bounded; questions still answer."""
+    loaded, _ = vl
+    core = make_core(loaded)
+    window = {"max_tokens": 240, "sink_inputs": 1, "vision_tokens": 120}
+    fut = core.create_session("You watch a video.", window=window,
+                              thinking={"mode": "dual", "unit_tokens": 4, "stop": "budget", "max_tokens": 64})
+    core.run_until_idle()
+    sid = fut.result()["session_id"]
+    s = core.sessions[sid]
+    offsets = {}  # unit index -> its first note's position - the reading position it saw - its slot, when written
+
+    def offset(unit):  # eviction moves the first two together, dropping older notes the first and the third
+        return unit.positions[0] - unit.visible_pos - unit.start
+
+    s.listeners.append(lambda ev, p: ev == "reasoning.done" and offsets.setdefault(p["unit"], offset(s.thinking.units[-1])))
+    jobs.append(core, sid, "The camera looks at the door.")
+    for k in range(24):
+        add_frame(core, sid, picture(60 + k, 64, 96), k * 0.5)
+        if k % 4 == 0:
+            jobs.append(core, sid, f" note {k}")
+        core.run_until_idle()
+    state = s.thinking
+    assert s.window.slides > 3 and len(offsets) > 10 and state.dropped_units > 0
+    shifted = 0
+    for unit in state.units:
+        # the reading it saw is whole inputs: its next position is the prefix's plus their spans
+        saw = [c for c in s.chunks if c.end <= unit.visible]
+        assert unit.visible == s.cache.prefix_len + sum(len(c.tokens) for c in saw)
+        assert unit.visible_pos == s.cache.prefix_len + sum(c.span for c in saw)
+        assert offset(unit) == offsets[unit.index]
+        shifted += unit.visible < s.cache.length
+    assert shifted
+    assert state.last_position < window["max_tokens"] + 64 + 64
+    fut = query(core, sid, "Who came in?", SamplingParams(max_tokens=4))
+    core.run_until_idle()
+    assert fut.result().tokens and torch.isfinite(s.last_logits).all()
