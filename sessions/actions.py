@@ -345,13 +345,16 @@ class FlashRule:
 
 
 def fire_rules(session, flash_id: str, answer) -> None:
-    """A flash answer changed: each rule on that question that now matches emits its command."""
+    """A flash answer changed: each rule on that question that now matches emits its command
+    (on a video session stamped with the media time of the newest frame the answer saw)."""
     now = time.monotonic()
     for rule in list(session.rules.values()):
         if rule.flash_id == flash_id and rule.observe(normalize(answer.text), now):
-            session.notify("action.command", {"rule_id": rule.rule_id, "flash_id": flash_id, "command": rule.command,
-                                              "answer": answer.text, "data_version": answer.data_version,
-                                              "fired": rule.fired})
+            payload = {"rule_id": rule.rule_id, "flash_id": flash_id, "command": rule.command,
+                       "answer": answer.text, "data_version": answer.data_version, "fired": rule.fired}
+            if getattr(answer, "media_s", None) is not None:
+                payload["media_s"] = round(answer.media_s, 3)
+            session.notify("action.command", payload)
 
 
 # ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------

@@ -66,9 +66,11 @@ class MediaHub:
         self.streams: dict[tuple[str, str], MediaStream] = {}
 
     @classmethod
-    def for_peer(cls, engine, events, config: MediaConfig, peer) -> "MediaHub":
+    def for_peer(cls, engine, events, config: MediaConfig, peer,
+                 note_lag: Callable[[str, float], None] | None = None) -> "MediaHub":
         """The hub of one connection (`peer`): what its media streams write is logged by
-        `events` like a client's input, and their events and errors go to the peer."""
+        `events` like a client's input, and their events and errors go to the peer. `note_lag`
+        gets each observation's capture-to-cache lag (the snapshot's `ingest_lag_ms`)."""
 
         def send_event(event: str, sid: str, payload: dict) -> None:  # from stream threads
             def send() -> None:
@@ -77,6 +79,8 @@ class MediaHub:
                     peer.send(peer.proto.error(err["code"], err["message"], recoverable=err["recoverable"],
                                                session_id=sid))
                 else:
+                    if note_lag is not None and event == "media.observation" and payload.get("lag_ms") is not None:
+                        note_lag(sid, payload["lag_ms"] / 1000)
                     peer.send(peer.proto.event(event, session_id=sid, **payload))
 
             if not peer.closed:

@@ -242,7 +242,7 @@ class StreamerServer:
 
     def _media_for(self, peer: Peer) -> MediaHub | None:
         media = self.config.media
-        return MediaHub.for_peer(self.engine, self.events, media, peer) if media else None
+        return MediaHub.for_peer(self.engine, self.events, media, peer, self.directory.note_lag) if media else None
 
     def api_key_name(self, ws: ServerConnection) -> str | None:
         request = ws.request

@@ -130,7 +130,8 @@ function handle(ev) {
     case "reasoning.delta": appendReasoning(ev.delta); break;
     case "reasoning.done": appendReasoning("\n"); break;
     case "action.chunk": addAction(`#${ev.seq} chunk: ${(ev.actions || []).length} actions, t0 ${fmtTime(ev.t0)}`); break;
-    case "action.command": addAction(`rule ${ev.rule_id} fired: ${JSON.stringify(ev.command)}`); break;
+    case "action.command": addAction(`rule ${ev.rule_id} fired: ${JSON.stringify(ev.command)}` +
+                                     (ev.media_s != null ? ` at ${Number(ev.media_s).toFixed(1)} s` : "")); break;
   }
 }
 
@@ -188,8 +189,12 @@ function markSelected() {
   }
 }
 
+function cacheText(s) {  // a video session also shows the frames it has read
+  return `${s.tokens} tok / ${fmtBytes(s.cache_bytes)}` + (s.frames ? ` · ${s.frames} frames` : "");
+}
+
 function renderState(st) {
-  $("cache").textContent = `${st.tokens} tok / ${fmtBytes(st.cache_bytes)}`;
+  $("cache").textContent = cacheText(st);
   setVersion(st.data_version);
   for (const q of st.flash || []) flash.set(q.flash_id, { ...q, seenAt: Date.now() / 1000 });
   renderFlash();
@@ -197,7 +202,7 @@ function renderState(st) {
 
 function renderSnapshot(s) {
   $("lag").textContent = s.ingest_lag_ms == null ? "none yet" : `${s.ingest_lag_ms} ms`;
-  $("cache").textContent = `${s.tokens} tok / ${fmtBytes(s.cache_bytes)}`;
+  $("cache").textContent = cacheText(s);
   setVersion(s.data_version);
   $("action-seq").textContent = s.last_action_seq ?? 0;
   for (const q of s.flash || []) flash.set(q.flash_id, { ...(flash.get(q.flash_id) || {}), ...q, seenAt: Date.now() / 1000 });
@@ -213,7 +218,7 @@ function setVersion(v) {
 
 function updateFlash(ev) {
   const q = flash.get(ev.flash_id) || { flash_id: ev.flash_id, question: ev.question, history: [] };
-  Object.assign(q, { answer: ev.answer, data_version: ev.data_version, confidence: ev.confidence,
+  Object.assign(q, { answer: ev.answer, data_version: ev.data_version, media_s: ev.media_s, confidence: ev.confidence,
                      evaluated_at: ev.evaluated_at, stale: false, staleness: null });
   q.history = (q.history || []).concat([{ data_version: ev.data_version, logit_gap: ev.confidence.logit_gap,
                                           mean_prob: ev.confidence.mean_prob, at: ev.evaluated_at }]);
@@ -248,7 +253,9 @@ function renderFlash() {
     const conf = q.confidence ? `p ${q.confidence.mean_prob.toFixed(2)}, gap ${q.confidence.logit_gap.toFixed(2)}` : "–";
     const stText = !st ? "–" : q.stale ? `stale · ${fmtAge(st.seconds)}`
       : st.versions > 0 ? `${st.versions} behind · ${fmtAge(st.seconds)}` : `current · ${fmtAge(st.seconds)}`;
-    const cells = [q.flash_id, q.question, q.answer ?? "(not yet)", q.data_version != null ? `v${q.data_version}` : "–",
+    const version = q.data_version == null ? "–"  // on video: and the media time of the newest frame it saw
+      : `v${q.data_version}` + (q.media_s != null ? ` @ ${Number(q.media_s).toFixed(1)} s` : "");
+    const cells = [q.flash_id, q.question, q.answer ?? "(not yet)", version,
                    stText, conf];
     cells.forEach((v, i) => {
       const td = document.createElement("td");

@@ -244,15 +244,20 @@ async def queries(peer: Peer, sid: str) -> None:
 
 
 async def flash_questions(peer: Peer, sid: str) -> None:
-    """A second question with a rule on it before its first answer (so that answer fires it),
-    duplicates, unknown ids and the per-session limit."""
-    registered = await peer.send({"type": "flash.register", "session_id": sid, "question": "Where is the lamp?",
-                                  "flash_id": "where", "max_tokens": 2})
-    ruled = await peer.send({"type": "action.rule", "session_id": sid, "flash_id": "where", "pattern": "",
-                             "command": {"say": "answered"}, "rule_id": "first"})
-    assert (await peer.take(lambda e: e.get("reply_to") == registered))["type"] == "flash.registered"
-    assert (await peer.take(lambda e: e.get("reply_to") == ruled))["type"] == "action.rule.added"
-    await peer.of("action.command", rule_id="first")
+    """A second question, a rule that its first answer fires, duplicates, unknown ids and the
+    per-session limit."""
+    await peer.ok({"type": "flash.register", "session_id": sid, "question": "Where is the lamp?",
+                   "flash_id": "where", "max_tokens": 2}, "flash.registered")
+    # The rule goes on a question of a session without input yet, so no answer can come before
+    # it (a rule starts from the present answer): the first answer, after the input, fires it.
+    fresh = (await peer.ok({"type": "session.create"}, "session.created"))["session_id"]
+    await peer.ok({"type": "flash.register", "session_id": fresh, "question": "Where is the lamp?",
+                   "flash_id": "where", "max_tokens": 2}, "flash.registered")
+    await peer.ok({"type": "action.rule", "session_id": fresh, "flash_id": "where", "pattern": "",
+                   "command": {"say": "answered"}, "rule_id": "first"}, "action.rule.added")
+    await peer.ok({"type": "input.text.append", "session_id": fresh, "text": "The lamp is on the desk."}, "input.ack")
+    await peer.of("action.command", rule_id="first", session_id=fresh)
+    await peer.ok({"type": "session.close", "session_id": fresh}, "session.closed")
     await peer.refused({"type": "flash.register", "session_id": sid, "question": "where is the lamp"},
                        "flash_duplicate")
     await peer.refused({"type": "flash.unregister", "session_id": sid, "flash_id": "nope"}, "flash_not_found")
@@ -264,7 +269,7 @@ async def flash_questions(peer: Peer, sid: str) -> None:
 async def rules_and_actions(peer: Peer, sid: str) -> None:
     await peer.refused({"type": "action.rule", "session_id": sid, "flash_id": "nope", "pattern": ".", "command": {}},
                        "flash_not_found")
-    for rule_id in ("r1", "r2"):  # with "first": the limit (the flash limit, 3)
+    for rule_id in ("r1", "r2", "r3"):  # the limit (the flash limit, 3)
         await peer.ok({"type": "action.rule", "session_id": sid, "flash_id": "keeper", "pattern": ".",
                        "command": {"say": rule_id}, "rule_id": rule_id}, "action.rule.added")
     await peer.refused({"type": "action.rule", "session_id": sid, "flash_id": "keeper", "pattern": ".",
@@ -517,7 +522,8 @@ async def media_servers(rec: Recorder, engine) -> None:
 
 async def vl_engine(rec: Recorder) -> None:
     """An engine whose model is a VLM (tiny-vl): a still image goes into the session's own cache
-    and a flash answer over it carries the frame's media time (`media_s`)."""
+    and a flash answer over it, and the command a rule on that answer fires, carry the frame's
+    media time (`media_s`)."""
     from streamer.app import load_tiny_vl
     from streamer.sessions.engine import Engine, EngineLimits
     from streamer.sessions.runner import ModelRunner
@@ -527,13 +533,18 @@ async def vl_engine(rec: Recorder) -> None:
     server, url = await started(vl, media=MediaConfig(frame_tokens=16))
     try:
         peer = await Peer.open(rec, url)
-        sid = (await peer.ok({"type": "session.create", "flash": [{"question": "What is it?", "max_tokens": 3}]},
+        sid = (await peer.ok({"type": "session.create", "flash": [{"question": "What is it?", "max_tokens": 3,
+                                                                     "flash_id": "it"}]},
                              "session.created"))["session_id"]
+        await peer.ok({"type": "action.rule", "session_id": sid, "flash_id": "it", "pattern": "^",  # any answer
+                       "command": {"action": "look"}}, "action.rule.added")
         await peer.send(media(sid, "image", "png", 0, encode_image("png", scene_frame(2.5))))
         observed = await peer.of("media.observation")
         assert observed["encoder"] == "engine-vl" and observed["data_version"] == 1, observed
         updated = await peer.of("flash.updated")
         assert updated["media_s"] == observed["start_s"], updated
+        command = await peer.of("action.command")
+        assert command["media_s"] == observed["start_s"] and command["answer"] == updated["answer"], command
         state = await peer.ok({"type": "session.get", "session_id": sid}, "state")
         assert state["session"]["frames"] == 1 and state["session"]["flash"][0]["media_s"] == observed["start_s"]
         await peer.close()
