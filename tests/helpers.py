@@ -18,6 +18,16 @@ from streamer.sessions.engine import Engine, EngineLimits
 from streamer.sessions.query import QueryHandle
 
 
+def tiny_vl_engine(name: str = "tiny-vl:5", kv_budget_bytes: int = 64 << 20) -> Engine:
+    """A started engine whose model is the tiny seeded Qwen2.5-VL (stop it when done)."""
+    from streamer.app import load_tiny_vl
+    from streamer.sessions.runner import ModelRunner
+
+    loaded = load_tiny_vl(name)
+    return Engine(ModelRunner(loaded.model, loaded.tokenizer, loaded.name),
+                  EngineLimits(kv_budget_bytes=kv_budget_bytes)).start()
+
+
 def driven(runner, **limits) -> Engine:
     """An engine on `runner` that is not started: step it by hand."""
     return Engine(runner, EngineLimits(**limits))

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("av")
 
 from browserutil import Browser  # noqa: E402
+from helpers import tiny_vl_engine  # noqa: E402
 from mqttutil import clear_retained  # noqa: E402
 from videogen import encode_video  # noqa: E402
 from wsutil import raw  # noqa: E402
@@ -29,13 +30,7 @@ FRAMES = 12  # 6 s sampled at 2 fps
 
 @pytest.fixture(scope="module")
 def vl_engine():
-    from streamer.app import load_tiny_vl
-    from streamer.sessions.engine import Engine, EngineLimits
-    from streamer.sessions.runner import ModelRunner
-
-    loaded = load_tiny_vl("tiny-vl:5")
-    engine = Engine(ModelRunner(loaded.model, loaded.tokenizer, loaded.name),
-                    EngineLimits(kv_budget_bytes=64 << 20)).start()
+    engine = tiny_vl_engine()
     yield engine
     engine.stop()
 

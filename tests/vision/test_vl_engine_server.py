@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("av")
 
+from helpers import tiny_vl_engine  # noqa: E402
 from videogen import encode_video  # noqa: E402
 from wsutil import next_of, raw, serve  # noqa: E402
 
@@ -26,13 +27,7 @@ FRAME_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def engine():
-    from streamer.app import load_tiny_vl
-    from streamer.sessions.engine import Engine, EngineLimits
-    from streamer.sessions.runner import ModelRunner
-
-    loaded = load_tiny_vl("tiny-vl:5")
-    engine = Engine(ModelRunner(loaded.model, loaded.tokenizer, loaded.name),
-                    EngineLimits(kv_budget_bytes=64 << 20)).start()
+    engine = tiny_vl_engine()
     yield engine
     engine.stop()
 
