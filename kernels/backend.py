@@ -21,8 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .reference import (cache_attention, forked_attention, padded_fits, padded_ranges_attention, ranges_attention,
-                        shared_ranges_attention)
+from .reference import cache_attention, forked_attention, ranges_attention, shared_ranges_attention
 
 BACKENDS = ("auto", "reference", "triton")
 ENV_VAR = "STREAMER_ATTENTION_BACKEND"
@@ -130,7 +129,7 @@ class ReferencePlan:
     reads read-only ranges (its session's shared system-prompt blocks, a fork's session) is
     merged by log-sum-exp; short forks over the same ranges are batched so each range is read
     once for all of them, and so are sequences with long own caches over the same ranges (each
-    session's part is still its own; while all their keys are short, one padded masked call).
+    session's part is still its own).
     """
 
     def __init__(self, seqs: Sequence, fork_suffix_max: int = 128) -> None:
@@ -152,17 +151,12 @@ class ReferencePlan:
                 src = slice(seq.offset, seq.offset + seq.n)
                 out[src] = ranges_attention(query[:, src], ranges, *seq.cache.layer(layer), start, scaling)
                 continue
-            fits = padded_fits([s.n for s, _, _ in group], sum(n for _, n in group[0][2]),
-                               [start for _, start, _ in group], query.device)
-            attend = padded_ranges_attention if fits else shared_ranges_attention
-            results = attend([query[:, s.offset:s.offset + s.n] for s, _, _ in group], ranges,
-                             [(*s.cache.layer(layer), start) for s, start, _ in group], scaling)
+            results = shared_ranges_attention([query[:, s.offset:s.offset + s.n] for s, _, _ in group], ranges,
+                                              [(*s.cache.layer(layer), start) for s, start, _ in group], scaling)
             for (s, _, _), r in zip(group, results):
                 out[s.offset:s.offset + s.n] = r
         for group in self.forks:
-            fits = padded_fits([s.n for s, _, _ in group], sum(n for _, n in group[0][2]),
-                               [start for _, start, _ in group], query.device)
-            results = (padded_ranges_attention if fits else forked_attention)(
+            results = forked_attention(
                 [query[:, s.offset:s.offset + s.n] for s, _, _ in group],
                 [(*c.layer(layer), n) for c, n in group[0][2]],
                 [(*s.cache.layer(layer), start) for s, start, _ in group], scaling)

@@ -167,63 +167,6 @@ def shared_ranges_attention(
             for i, (q, (k, v, start)) in enumerate(zip(queries, owns))]
 
 
-PADDED_KEYS_MAX = 1024  # keys per sequence up to which `padded_ranges_attention` gathers them into one batch
-
-
-def padded_ranges_attention(
-    queries: list[torch.Tensor],
-    ranges: list[tuple[torch.Tensor, torch.Tensor, int]],
-    owns: list[tuple[torch.Tensor, torch.Tensor, int]],
-    scaling: float | None = None,
-) -> list[torch.Tensor]:
-    """`shared_ranges_attention` as one fused call: each sequence's keys (the shared ranges, then
-    its own cache up to its last new token) are gathered into a padded batch and attended
-    under one offset-causal mask, so there is nothing to merge. For short caches on the CPU,
-    where the calls and merges per sequence cost more than the copy (`PADDED_KEYS_MAX`).
-
-    queries: per sequence `[heads, n_i, d]`; owns: per sequence `(own_k, own_v, own_start)`.
-    Returns per sequence `[n_i, heads, d]`.
-    """
-    count = len(queries)
-    heads, _, dim = queries[0].shape
-    kv_heads = owns[0][0].shape[0]
-    group = heads // kv_heads
-    scale = dim ** -0.5 if scaling is None else scaling
-    shared = sum(length for _, _, length in ranges)
-    sizes = [q.shape[1] for q in queries]
-    lengths = [shared + start + n for (_, _, start), n in zip(owns, sizes)]
-    n_max, l_max = max(sizes), max(lengths)
-    q = queries[0].new_zeros(count, heads, n_max, dim)
-    k = queries[0].new_zeros(count, kv_heads, l_max, dim)
-    v = queries[0].new_zeros(count, kv_heads, l_max, dim)
-    at = 0
-    for rk, rv, length in ranges:  # the shared ranges: one copy into every row
-        k[:, :, at:at + length] = rk[:, :length]
-        v[:, :, at:at + length] = rv[:, :length]
-        at += length
-    for i, (query, (ok, ov, start)) in enumerate(zip(queries, owns)):
-        q[i, :, :sizes[i]] = query
-        end = start + sizes[i]
-        k[i, :, shared:shared + end] = ok[:, :end]
-        v[i, :, shared:shared + end] = ov[:, :end]
-    device = q.device
-    starts = torch.tensor([shared + start for _, _, start in owns], device=device).view(count, 1, 1)
-    rows = torch.arange(n_max, device=device).view(1, n_max, 1)
-    cols = torch.arange(l_max, device=device).view(1, 1, l_max)
-    visible = cols <= starts + rows  # [count, n_max, l_max]; padding rows see real keys only: no empty row
-    mask = torch.zeros(visible.shape, dtype=q.dtype, device=device).masked_fill_(~visible, float("-inf"))
-    out = _CPU_FLASH(q.view(count, kv_heads, group * n_max, dim), k, v,
-                     attn_mask=mask.repeat(1, group, 1).unsqueeze(1), scale=scale)[0]
-    out = out.view(count, heads, n_max, dim)
-    return [out[i, :, :n].transpose(0, 1) for i, n in enumerate(sizes)]
-
-
-def padded_fits(queries_n: list[int], shared: int, own_starts: list[int], device: torch.device) -> bool:
-    """Whether `padded_ranges_attention` is the faster way for these sequences."""
-    return (_CPU_FLASH is not None and device.type == "cpu" and len(queries_n) > 1
-            and shared + max(s + n for s, n in zip(own_starts, queries_n)) <= PADDED_KEYS_MAX)
-
-
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine attention computed over disjoint key ranges by their log-sum-exps."""
     lse = torch.stack([p[1] for p in parts])  # [ranges, heads, n]

@@ -3,7 +3,6 @@ import torch
 
 from streamer.kernels import (cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention,
                               shared_ranges_attention)
-from streamer.kernels.reference import padded_ranges_attention
 
 
 def naive(query, k, v, start, scaling):
@@ -109,13 +108,11 @@ def test_ranges_attention_equals_attention_over_the_concatenation(shared, own_st
     torch.testing.assert_close(got, naive(q, full_k, full_v, shared + own_start, dim ** -0.5), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attend", [shared_ranges_attention, padded_ranges_attention])
 @pytest.mark.parametrize("shared", [[16], [16, 5], [0, 9]])
-def test_shared_ranges_attention_equals_each_sequence_over_its_concatenation(shared, attend):
+def test_shared_ranges_attention_equals_each_sequence_over_its_concatenation(shared):
     """Sessions on one shared system prompt (and a second shared range), each with its own long
     cache and new tokens of its own (prefill chunks, a decode row): the shared ranges are read
-    once for all of them (stacked queries, or one padded masked call), and each sequence equals
-    attention over shared + its own cache."""
+    once for all of them, and each sequence equals attention over shared + its own cache."""
     torch.manual_seed(sum(shared))
     kv_heads, group, dim = 3, 3, 16
     ranges = [(torch.randn(kv_heads, n + 3, dim), torch.randn(kv_heads, n + 3, dim), n) for n in shared]
@@ -124,7 +121,7 @@ def test_shared_ranges_attention_equals_each_sequence_over_its_concatenation(sha
         owns.append((torch.randn(kv_heads, own_start + n + 4, dim), torch.randn(kv_heads, own_start + n + 4, dim),
                      own_start))
         queries.append(torch.randn(kv_heads * group, n, dim))
-    got = attend(queries, ranges, owns, dim ** -0.5)
+    got = shared_ranges_attention(queries, ranges, owns, dim ** -0.5)
     for q, (k, v, own_start), out in zip(queries, owns, got):
         n = q.shape[1]
         full_k = torch.cat([rk[:, :m] for rk, _, m in ranges] + [k[:, :own_start + n]], dim=1)

@@ -155,10 +155,9 @@ def test_long_sessions_on_a_shared_prefix_batched_equal_each_alone(tiny, monkeyp
     for sid, doc in zip(sids, docs):
         Sync(engine).append(sid, doc)
     assert all(engine.sessions[sid].cache.length > 160 for sid in sids)  # past the short-fork path
-    grouped = []
-    for name in ("shared_ranges_attention", "padded_ranges_attention"):  # long caches, short ones
-        monkeypatch.setattr(backend, name, lambda queries, *a, real=getattr(backend, name):
-                            grouped.append(len(queries)) or real(queries, *a))
+    grouped, real = [], backend.shared_ranges_attention
+    monkeypatch.setattr(backend, "shared_ranges_attention",
+                        lambda queries, *a: grouped.append(len(queries)) or real(queries, *a))
     steps = engine.stats.steps
     futures = [engine.append(sid, f" Ship {i} docked.") for i, sid in enumerate(sids)]
     engine.run_until_idle()
