@@ -6,8 +6,6 @@
 when used. This package imports nothing else from the project.
 """
 
-from .reference import (cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention,
-                        shared_ranges_attention)
+from .reference import cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention
 
-__all__ = ["cache_attention", "causal_offset_mask", "forked_attention", "merge_partials", "ranges_attention",
-           "shared_ranges_attention"]
+__all__ = ["cache_attention", "causal_offset_mask", "forked_attention", "merge_partials", "ranges_attention"]

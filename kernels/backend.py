@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .reference import cache_attention, forked_attention, ranges_attention, shared_ranges_attention
+from .reference import cache_attention, forked_attention, ranges_attention
 
 BACKENDS = ("auto", "reference", "triton")
 ENV_VAR = "STREAMER_ATTENTION_BACKEND"
@@ -128,33 +128,21 @@ class ReferencePlan:
     A sequence that reads only its own cache takes the plain offset-causal path; one that also
     reads read-only ranges (its session's shared system-prompt blocks, a fork's session) is
     merged by log-sum-exp; short forks over the same ranges are batched so each range is read
-    once for all of them, and so are sequences with long own caches over the same ranges (each
-    session's part is still its own).
+    once for all of them.
     """
 
     def __init__(self, seqs: Sequence, fork_suffix_max: int = 128) -> None:
-        self.plain, ranged, self.forks = _layout(seqs, fork_suffix_max)
-        groups: dict[tuple, list] = {}
-        for item in ranged:
-            groups.setdefault(tuple((id(c), n) for c, n in item[2]), []).append(item)
-        self.ranged = list(groups.values())
+        self.plain, self.ranged, self.forks = _layout(seqs, fork_suffix_max)
 
     def run(self, query: torch.Tensor, layer: int, out: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """`query` `[heads, tokens, d]` (packed), `out` `[tokens, heads, d]`."""
         for seq, start, _ in self.plain:
             src = slice(seq.offset, seq.offset + seq.n)
             out[src] = cache_attention(query[:, src], *seq.cache.layer(layer), start, scaling)
-        for group in self.ranged:
-            ranges = [(*c.layer(layer), n) for c, n in group[0][2]]
-            if len(group) == 1:
-                seq, start, _ = group[0]
-                src = slice(seq.offset, seq.offset + seq.n)
-                out[src] = ranges_attention(query[:, src], ranges, *seq.cache.layer(layer), start, scaling)
-                continue
-            results = shared_ranges_attention([query[:, s.offset:s.offset + s.n] for s, _, _ in group], ranges,
-                                              [(*s.cache.layer(layer), start) for s, start, _ in group], scaling)
-            for (s, _, _), r in zip(group, results):
-                out[s.offset:s.offset + s.n] = r
+        for seq, start, parts in self.ranged:
+            src = slice(seq.offset, seq.offset + seq.n)
+            out[src] = ranges_attention(query[:, src], [(*c.layer(layer), n) for c, n in parts],
+                                        *seq.cache.layer(layer), start, scaling)
         for group in self.forks:
             results = forked_attention(
                 [query[:, s.offset:s.offset + s.n] for s, _, _ in group],

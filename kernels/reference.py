@@ -116,55 +116,20 @@ def ranges_attention(
 
     Returns `[n, heads, d]`.
     """
-    dim = query.shape[-1]
+    heads, n, dim = query.shape
     scale = dim ** -0.5 if scaling is None else scaling
     parts = [_partial_attention(query, k[:, :length], v[:, :length], None, scale)
              for k, v, length in ranges if length > 0]
-    parts += _own_parts(query, own_k, own_v, own_start, scale)
+    end = own_start + n
+    if n == 1:  # decode: the one new query sees its whole own cache, itself included: no mask
+        parts.append(_partial_attention(query, own_k[:, :end], own_v[:, :end], None, scale))
+    else:
+        if own_start > 0:
+            parts.append(_partial_attention(query, own_k[:, :own_start], own_v[:, :own_start], None, scale))
+        parts.append(_causal_partial(query, own_k[:, own_start:end], own_v[:, own_start:end], scale))
     if len(parts) == 1:
         return parts[0][0].transpose(0, 1)
     return merge_partials(parts).transpose(0, 1)
-
-
-def _own_parts(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, own_start: int,
-               scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The partials of new queries over their own cache: its cached slots in full, the new
-    tokens causally (one unmasked call for a single query, which sees all of them)."""
-    n = query.shape[1]
-    end = own_start + n
-    if n == 1:  # decode: the one new query sees its whole own cache, itself included: no mask
-        return [_partial_attention(query, own_k[:, :end], own_v[:, :end], None, scale)]
-    parts = []
-    if own_start > 0:
-        parts.append(_partial_attention(query, own_k[:, :own_start], own_v[:, :own_start], None, scale))
-    parts.append(_causal_partial(query, own_k[:, own_start:end], own_v[:, own_start:end], scale))
-    return parts
-
-
-def shared_ranges_attention(
-    queries: list[torch.Tensor],
-    ranges: list[tuple[torch.Tensor, torch.Tensor, int]],
-    owns: list[tuple[torch.Tensor, torch.Tensor, int]],
-    scaling: float | None = None,
-) -> list[torch.Tensor]:
-    """Several sequences that read the same read-only ranges (sessions on one shared system
-    prompt, say), each also over its own long cache: as `ranges_attention` per sequence, but
-    each shared range is read once, by all their queries stacked into one call.
-
-    queries: per sequence `[heads, n_i, d]`; owns: per sequence `(own_k, own_v, own_start)`.
-    Returns per sequence `[n_i, heads, d]`.
-    """
-    dim = queries[0].shape[-1]
-    scale = dim ** -0.5 if scaling is None else scaling
-    sizes = [q.shape[1] for q in queries]
-    stacked = torch.cat(queries, dim=1)
-    shared = []
-    for k, v, length in ranges:
-        if length > 0:
-            out, lse = _partial_attention(stacked, k[:, :length], v[:, :length], None, scale)
-            shared.append(list(zip(out.split(sizes, dim=1), lse.split(sizes, dim=1))))
-    return [merge_partials([part[i] for part in shared] + _own_parts(q, k, v, start, scale)).transpose(0, 1)
-            for i, (q, (k, v, start)) in enumerate(zip(queries, owns))]
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

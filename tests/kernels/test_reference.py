@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from streamer.kernels import (cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention,
-                              shared_ranges_attention)
+from streamer.kernels import cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention
 
 
 def naive(query, k, v, start, scaling):
@@ -106,26 +105,3 @@ def test_ranges_attention_equals_attention_over_the_concatenation(shared, own_st
     full_k = torch.cat([pk[:, :shared], k[:, :own_start + n]], dim=1)
     full_v = torch.cat([pv[:, :shared], v[:, :own_start + n]], dim=1)
     torch.testing.assert_close(got, naive(q, full_k, full_v, shared + own_start, dim ** -0.5), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("shared", [[16], [16, 5], [0, 9]])
-def test_shared_ranges_attention_equals_each_sequence_over_its_concatenation(shared):
-    """Sessions on one shared system prompt (and a second shared range), each with its own long
-    cache and new tokens of its own (prefill chunks, a decode row): the shared ranges are read
-    once for all of them, and each sequence equals attention over shared + its own cache."""
-    torch.manual_seed(sum(shared))
-    kv_heads, group, dim = 3, 3, 16
-    ranges = [(torch.randn(kv_heads, n + 3, dim), torch.randn(kv_heads, n + 3, dim), n) for n in shared]
-    owns, queries = [], []
-    for own_start, n in [(140, 7), (200, 1), (129, 33)]:
-        owns.append((torch.randn(kv_heads, own_start + n + 4, dim), torch.randn(kv_heads, own_start + n + 4, dim),
-                     own_start))
-        queries.append(torch.randn(kv_heads * group, n, dim))
-    got = shared_ranges_attention(queries, ranges, owns, dim ** -0.5)
-    for q, (k, v, own_start), out in zip(queries, owns, got):
-        n = q.shape[1]
-        full_k = torch.cat([rk[:, :m] for rk, _, m in ranges] + [k[:, :own_start + n]], dim=1)
-        full_v = torch.cat([rv[:, :m] for _, rv, m in ranges] + [v[:, :own_start + n]], dim=1)
-        want = naive(q, full_k, full_v, sum(shared) + own_start, dim ** -0.5)
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(out, ranges_attention(q, ranges, k, v, own_start, dim ** -0.5), atol=1e-6, rtol=1e-6)

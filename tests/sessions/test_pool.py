@@ -135,40 +135,6 @@ def test_shared_prefix_saves_pool_bytes_and_changes_no_answer(tiny):
     assert ask(engine, b) == expected
 
 
-def test_long_sessions_on_a_shared_prefix_batched_equal_each_alone(tiny, monkeypatch):
-    """Sessions on one shared system prompt, each with a long cache of its own, take their next
-    chunks in one step (the shared blocks read once for all their queries): each one's logits
-    and answer equal the same session fed alone."""
-    from streamer.kernels import backend
-
-    runner, _ = tiny
-    docs = [f"Ship {i} log: " + " ".join(f"mile {m} calm sea" for m in range(40 + 9 * i)) for i in range(3)]
-    alone = []
-    for i, doc in enumerate(docs):
-        engine = driven(runner)
-        sid = new_session(engine, system_prompt=LONG_PROMPT)
-        Sync(engine).append(sid, doc)
-        Sync(engine).append(sid, f" Ship {i} docked.")
-        alone.append((engine.sessions[sid].last_logits.clone(), ask(engine, sid)))
-    engine = driven(runner)
-    sids = [new_session(engine, system_prompt=LONG_PROMPT) for _ in docs]
-    for sid, doc in zip(sids, docs):
-        Sync(engine).append(sid, doc)
-    assert all(engine.sessions[sid].cache.length > 160 for sid in sids)  # past the short-fork path
-    grouped, real = [], backend.shared_ranges_attention
-    monkeypatch.setattr(backend, "shared_ranges_attention",
-                        lambda queries, *a: grouped.append(len(queries)) or real(queries, *a))
-    steps = engine.stats.steps
-    futures = [engine.append(sid, f" Ship {i} docked.") for i, sid in enumerate(sids)]
-    engine.run_until_idle()
-    for f in futures:
-        f.result(0)
-    assert engine.stats.steps - steps == 1 and grouped and max(grouped) == len(sids)
-    for sid, (logits, answer) in zip(sids, alone):
-        assert (engine.sessions[sid].last_logits - logits).abs().max().item() <= 1e-5
-        assert ask(engine, sid) == answer
-
-
 @pytest.mark.parametrize("to_disk", [False, True])
 def test_parked_then_restored_sessions_answer_the_same(tiny, to_disk, tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMER_CACHE", str(tmp_path))
