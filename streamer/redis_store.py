@@ -31,6 +31,8 @@ import json
 import time
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from .store import (DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, LogGap, NotOwner, Store, StoreError, StoreLost,
                     _check_digest)
@@ -81,6 +83,11 @@ class RedisStore(Store):
         options = {} if "socket_timeout" in url else {"socket_timeout": DEFAULT_SOCKET_TIMEOUT_S}
         if "socket_connect_timeout" not in url:
             options["socket_connect_timeout"] = DEFAULT_SOCKET_TIMEOUT_S
+        # A pooled connection that Redis closed (it restarted) fails on its next use: that command
+        # is sent once more on a new connection. Every write here is idempotent (appends by
+        # position and record id, SETs), so a resend never duplicates; a timeout is not resent
+        # (a stalled Redis fails the write within socket_timeout, as documented).
+        options["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
         self.redis = redis.Redis.from_url(url, decode_responses=True, **options)
         self._append = self.redis.register_script(_APPEND)
         self._claim = self.redis.register_script(_CLAIM)
