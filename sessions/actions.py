@@ -352,7 +352,7 @@ def fire_rules(session, flash_id: str, answer) -> None:
         if rule.flash_id == flash_id and rule.observe(normalize(answer.text), now):
             payload = {"rule_id": rule.rule_id, "flash_id": flash_id, "command": rule.command,
                        "answer": answer.text, "data_version": answer.data_version, "fired": rule.fired}
-            if getattr(answer, "media_s", None) is not None:
+            if answer.media_s is not None:
                 payload["media_s"] = round(answer.media_s, 3)
             session.notify("action.command", payload)
 

@@ -18,6 +18,19 @@ from streamer.sessions.engine import Engine, EngineLimits
 from streamer.sessions.query import QueryHandle
 
 
+def run_unit(runner, session, stop_ids=None):
+    """One reasoning unit of `session`, driven step by step on `runner` (stop ids: the
+    tokenizer's end of sequence unless given); returns the finished ThinkJob."""
+    from streamer.sessions.thinking import ThinkJob
+
+    job = ThinkJob(session, frozenset([runner.tokenizer.eos_token_id]) if stop_ids is None else stop_ids)
+    while not job.done:
+        steps = job.plan(512)
+        if steps:
+            job.complete_many(runner.forward(steps, logits="last"))
+    return job
+
+
 def tiny_vl_engine(name: str = "tiny-vl:5", kv_budget_bytes: int = 64 << 20) -> Engine:
     """A started engine whose model is the tiny seeded Qwen2.5-VL (stop it when done)."""
     from streamer.app import load_tiny_vl

@@ -2,25 +2,16 @@
 
 import pytest
 import torch
-from helpers import Sync, driven, result
+from helpers import Sync, driven, result, run_unit
 
 from streamer.sessions.errors import EngineError
 from streamer.sessions.jobs import PrefillJob, drive
 from streamer.sessions.sampling import SamplingParams
 from streamer.sessions.session import Session
-from streamer.sessions.thinking import ThinkingConfig, ThinkJob, configure
+from streamer.sessions.thinking import ThinkingConfig, configure
 
 CHUNKS = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold comes on Tuesdays. ",
           "A storm broke the burner on March 16. ", "Owen Pike fitted a new burner. "]
-
-
-def run_unit(runner, session):
-    job = ThinkJob(session, frozenset([runner.tokenizer.eos_token_id]))
-    while not job.done:
-        steps = job.plan(512)
-        if steps:
-            job.complete_many(runner.forward(steps, logits="last"))
-    return job
 
 
 def session_with(runner, mode, **cfg):

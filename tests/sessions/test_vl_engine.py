@@ -15,8 +15,8 @@ from streamer.sessions.multimodal import frame_input
 from streamer.sessions.query import query
 from streamer.sessions.runner import ModelRunner
 from streamer.sessions.sampling import SamplingParams
-from streamer.sessions.thinking import ThinkJob
 from streamer.vision.vlm_patches import patchify
+from helpers import run_unit
 from videogen import picture
 
 TOL = 1e-4
@@ -124,12 +124,8 @@ def test_frames_and_text_chunk_by_chunk_equal_one_forward(vl):
 def test_question_on_a_video_session_equals_stateless_greedy(vl):
     loaded, ref = vl
     core = make_core(loaded)
-    sid = open_session(core, None)
     images = [picture(4, 120, 90), picture(5, 90, 120)]
-    for k, img in enumerate(images):
-        add_frame(core, sid, img, k * 0.5)
-        jobs.append(core, sid, f" note {k}")
-    core.run_until_idle()
+    sid = video_session(core, images)
     s = core.sessions[sid]
     before = (s.cache.length, s.next_position, s.data_version)
     question = "What changed between the frames?"
@@ -297,16 +293,6 @@ def test_a_vlm_with_packed_linear_layers_reads_frames(weights):
     assert fut.result().tokens and torch.isfinite(core.sessions[sid].last_logits).all()
 
 
-def run_unit(core, session) -> ThinkJob:
-    """One reasoning unit, driven step by step on the core's runner."""
-    job = ThinkJob(session, core.stop_ids)
-    while not job.done:
-        steps = job.plan(512)
-        if steps:
-            job.complete_many(core.runner.forward(steps, logits="last"))
-    return job
-
-
 def video_session(core, images) -> str:
     sid = open_session(core)
     for k, img in enumerate(images):
@@ -328,7 +314,7 @@ def test_dual_thinking_on_a_video_session_notes_after_the_frames_and_questions_r
     before = (s.cache.length, s.next_position, s.cache.snapshot())
     assert s.next_position < s.cache.length
     thinking.configure_command(core, sid, {"mode": "dual", "unit_tokens": 8, "stop": "budget"})
-    job = run_unit(core, s)
+    job = run_unit(core.runner, s, core.stop_ids)
     header = s.tokenize(s.framing.question_text(job.config.instruction()))
     assert job.fed == header + job.generated and job.generated
     assert job.generated == stock_greedy(ref, s.context_ids() + header, images, 8, core.stop_ids)
@@ -353,7 +339,7 @@ def test_interleaved_thinking_on_a_video_session_keeps_the_model_positions(vl):
     sid = video_session(core, images[:1])
     s = core.sessions[sid]
     thinking.configure_command(core, sid, {"mode": "interleaved", "unit_tokens": 6, "stop": "budget"})
-    job = run_unit(core, s)
+    job = run_unit(core.runner, s, core.stop_ids)
     assert s.chunks[-1].seq == 0 and s.chunks[-1].tokens == job.fed
     thinking.configure_command(core, sid, {"mode": "off"})  # no further units: the oracle is one sequence
     add_frame(core, sid, images[1], 1.0)
