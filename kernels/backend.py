@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .reference import cache_attention, forked_attention, ranges_attention
+from .reference import cache_attention, forked_attention, own_causal_bias, own_partials, ranges_attention
 
 BACKENDS = ("auto", "reference", "triton")
 ENV_VAR = "STREAMER_ATTENTION_BACKEND"
@@ -103,8 +103,9 @@ def read_only_parts(cache, length: int) -> list[tuple[object, int]]:
 
 
 def _layout(seqs: Sequence, fork_suffix_max: int):
-    """Sort a step's sequences into plain ones (own cache only), ranged ones (a long own cache
-    plus read-only ranges) and groups of short forks that share the same read-only ranges.
+    """Sort a step's sequences into plain ones (own cache only), ranged ones (a session's
+    reading over its shared prefix, or a fork with a long own cache, plus read-only ranges) and
+    groups of short forks that share the same read-only ranges.
     Each item: (sequence, own_start, read-only parts)."""
     plain, ranged, groups = [], [], {}
     for seq in seqs:
@@ -115,7 +116,7 @@ def _layout(seqs: Sequence, fork_suffix_max: int):
             parts.append((cache.prefix, cache.prefix_len))
         if not parts:
             plain.append((seq, own_start, parts))
-        elif own_start > fork_suffix_max:
+        elif own_start > fork_suffix_max or not seq.prefixes:  # a session's reading is never grouped
             ranged.append((seq, own_start, parts))
         else:
             groups.setdefault(tuple((id(c), n) for c, n in parts), []).append((seq, own_start, parts))
@@ -133,16 +134,38 @@ class ReferencePlan:
 
     def __init__(self, seqs: Sequence, fork_suffix_max: int = 128) -> None:
         self.plain, self.ranged, self.forks = _layout(seqs, fork_suffix_max)
+        self._biases: list | None = None  # per plain, then ranged sequence: its own_causal_bias
+
+    def _own_biases(self, query: torch.Tensor, layer: int) -> list:
+        if self._biases is None:  # once per step, on the first layer: every layer has the same shapes
+            own = self.plain + self.ranged
+            kv_heads = own[0][0].cache.layer(layer)[0].shape[0] if own else 1
+            built: dict = {}  # sessions in step with one another often have the same shape: one mask each
+            self._biases = []
+            for seq, start, parts in own:
+                key = (seq.n, start, sum(n for _, n in parts))
+                if key not in built:
+                    built[key] = own_causal_bias(query.shape[0], kv_heads, seq.n, start, query.dtype, query.device,
+                                                 before=key[2])
+                self._biases.append(built[key])
+        return self._biases
 
     def run(self, query: torch.Tensor, layer: int, out: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """`query` `[heads, tokens, d]` (packed), `out` `[tokens, heads, d]`."""
-        for seq, start, _ in self.plain:
+        biases = iter(self._own_biases(query, layer))
+        for (seq, start, _), bias in zip(self.plain, biases):
             src = slice(seq.offset, seq.offset + seq.n)
-            out[src] = cache_attention(query[:, src], *seq.cache.layer(layer), start, scaling)
-        for seq, start, parts in self.ranged:
+            k, v = seq.cache.layer(layer)
+            if bias is None:
+                out[src] = cache_attention(query[:, src], k, v, start, scaling)
+            else:
+                q = query[:, src]
+                (o, _), = own_partials(q, k, v, start, q.shape[-1] ** -0.5 if scaling is None else scaling, bias)
+                out[src] = o.transpose(0, 1)
+        for (seq, start, parts), bias in zip(self.ranged, biases):
             src = slice(seq.offset, seq.offset + seq.n)
             out[src] = ranges_attention(query[:, src], [(*c.layer(layer), n) for c, n in parts],
-                                        *seq.cache.layer(layer), start, scaling)
+                                        *seq.cache.layer(layer), start, scaling, bias)
         for group in self.forks:
             results = forked_attention(
                 [query[:, s.offset:s.offset + s.n] for s, _, _ in group],

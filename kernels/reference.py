@@ -108,32 +108,83 @@ def ranges_attention(
     own_v: torch.Tensor,
     own_start: int,
     scaling: float | None = None,
+    own_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New queries of one sequence over read-only ranges (a shared system-prompt prefix, say)
     plus its own cache, whose slots `[0, own_start)` are cached and `[own_start, own_start+n)`
     hold the new tokens. Each part runs through a fused kernel and the parts are merged by
     log-sum-exp, so a long own cache is read in place, with no copy and no materialised scores.
+    `own_bias` (`own_causal_bias` with `before` = the ranges' length) makes it one masked call
+    over the ranges and the own cache gathered (short caches, where calls cost more than copies).
 
     Returns `[n, heads, d]`.
     """
     heads, n, dim = query.shape
     scale = dim ** -0.5 if scaling is None else scaling
+    ranges = [(k, v, length) for k, v, length in ranges if length > 0]
+    if own_bias is not None and ranges:
+        end = own_start + n
+        k = torch.cat([k[:, :length] for k, _, length in ranges] + [own_k[:, :end]], dim=1)
+        v = torch.cat([v[:, :length] for _, v, length in ranges] + [own_v[:, :end]], dim=1)
+        (out, _), = own_partials(query, k, v, k.shape[1] - n, scale, own_bias)
+        return out.transpose(0, 1)
     parts = [_partial_attention(query, k[:, :length], v[:, :length], None, scale)
              for k, v, length in ranges if length > 0]
-    end = own_start + n
-    if n == 1:  # decode: the one new query sees its whole own cache, itself included: no mask
-        parts.append(_partial_attention(query, own_k[:, :end], own_v[:, :end], None, scale))
-    else:
-        if own_start > 0:
-            parts.append(_partial_attention(query, own_k[:, :own_start], own_v[:, :own_start], None, scale))
-        parts.append(_causal_partial(query, own_k[:, own_start:end], own_v[:, own_start:end], scale))
+    parts.extend(own_partials(query, own_k, own_v, own_start, scale, own_bias))
     if len(parts) == 1:
         return parts[0][0].transpose(0, 1)
     return merge_partials(parts).transpose(0, 1)
 
 
+OWN_BIAS_MAX = 1 << 20  # elements of a masked call's bias up to which it replaces the split calls
+
+
+def own_causal_bias(heads: int, kv_heads: int, n: int, start: int, dtype: torch.dtype,
+                    device: torch.device, before: int = 0) -> torch.Tensor | None:
+    """The additive mask of `n` new queries over `before` read-only keys (all visible) and an
+    own cache of `start + n` keys (offset-causal), rows laid out as the folded query group:
+    `[1, 1, group * n, before + start + n]`. Built once per step and shared by every layer.
+    None where one masked call is not the faster way (a decode row needs no mask; a long cache
+    or chunk would make the mask large) or the fused CPU kernel is missing. Depends on the
+    sequence alone, so a sequence computes the same whatever else is in its step."""
+    group = heads // kv_heads
+    keys = before + start + n
+    if n <= 1 or _CPU_FLASH is None or torch.device(device).type != "cpu" or group * n * keys > OWN_BIAS_MAX:
+        return None
+    rows = (torch.arange(group * n, device=device) % n).unsqueeze(1) + (before + start)  # row g*n + i is token i
+    hidden = torch.arange(keys, device=device).unsqueeze(0) > rows
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))[None, None]
+
+
+def own_partials(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, own_start: int, scale: float,
+                 own_bias: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The new queries over their own cache (cached slots, then their own keys causally), as
+    `(out, lse)` parts: one call with `own_bias`, else the cached part and the causal block."""
+    n = query.shape[1]
+    end = own_start + n
+    if n == 1:  # decode: the one new query sees its whole own cache, itself included: no mask
+        return [_partial_attention(query, own_k[:, :end], own_v[:, :end], None, scale)]
+    if own_bias is not None:
+        heads, _, dim = query.shape
+        kv_heads = own_k.shape[0]
+        qf = query.reshape(kv_heads, heads // kv_heads * n, dim)
+        out, lse = _CPU_FLASH(qf[None], own_k[None, :, :end], own_v[None, :, :end], attn_mask=own_bias,
+                              scale=scale)[:2]
+        return [(out[0].reshape(heads, n, dim), lse[0].reshape(heads, n))]
+    parts = []
+    if own_start > 0:
+        parts.append(_partial_attention(query, own_k[:, :own_start], own_v[:, :own_start], None, scale))
+    parts.append(_causal_partial(query, own_k[:, own_start:end], own_v[:, own_start:end], scale))
+    return parts
+
+
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine attention computed over disjoint key ranges by their log-sum-exps."""
+    """Combine attention computed over disjoint key ranges by their log-sum-exps. The last part
+    must see a key in every row (a sequence's own part: each token sees itself)."""
+    if len(parts) == 2:  # the usual case (one shared prefix, own cache): w = exp(l0) / (exp(l0) + exp(l1))
+        (o0, l0), (o1, l1) = parts
+        w = torch.sigmoid(l0 - l1).unsqueeze(-1)
+        return torch.lerp(o1, o0, w)
     lse = torch.stack([p[1] for p in parts])  # [ranges, heads, n]
     total = torch.logsumexp(lse, dim=0)
     weights = torch.exp(lse - total).nan_to_num_(0.0)

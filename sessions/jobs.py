@@ -297,7 +297,7 @@ class PrefillJob(Job):
             return None
         self._planned = n
         return SeqStep(self.cache, self.start + self.pos, self.tokens[self.pos:self.pos + n],
-                       pos0=self.session.position_offset)
+                       pos0=self.session.position_offset, head=False)
 
     def complete_one(self, logits: torch.Tensor) -> None:
         self.pos += self._planned
@@ -489,7 +489,7 @@ class FrameJob(PrefillJob):
         self._planned = n
         lo, hi = self.pos, self.pos + n
         return SeqStep(self.cache, self.start + lo, self.tokens[lo:hi], embeds=self.frame.embeds[lo:hi],
-                       mpos=self.mpos[:, lo:hi])
+                       mpos=self.mpos[:, lo:hi], head=False)
 
     def finish_input(self) -> None:
         self.chunk = self.session.record(self.text, self.start, self.tokens, frame=self.frame)

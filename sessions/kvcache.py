@@ -47,6 +47,11 @@ class KVBuffer(Protocol):
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def storage(self) -> tuple[torch.Tensor, int]:
+        """The tensor `[layers, 2, kv_heads, slots, head_dim]` that `layer(i)` views, and the slot
+        of own position 0: a step writes the new K/V of all its sequences there at once."""
+        ...
+
     def reserve(self, total: int) -> None: ...
 
     def commit(self, length: int) -> None: ...
@@ -127,6 +132,10 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views `[kv_heads, capacity, head_dim]` of one layer's keys and values."""
         return self._buf[index, 0], self._buf[index, 1]
+
+    def storage(self) -> tuple[torch.Tensor, int]:
+        """The buffer `[layers, 2, kv_heads, capacity, head_dim]` and the slot of position 0."""
+        return self._buf, 0
 
     def keys(self) -> torch.Tensor:
         """The keys of every layer at once: a view `[layers, kv_heads, capacity, head_dim]` of the

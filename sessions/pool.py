@@ -260,6 +260,10 @@ class SharedPrefix:
         slots = self.pool.slots(self.extent)
         return self.pool.storage[index, 0, :, slots], self.pool.storage[index, 1, :, slots]
 
+    def storage(self) -> tuple[torch.Tensor, int]:
+        """The pool storage `[layers, 2, kv_heads, slots, head_dim]` and the slot of position 0."""
+        return self.pool.storage, self.pool.slots(self.extent).start
+
     def reserve(self, total: int) -> None:
         if total > len(self.tokens):
             raise ValueError(f"shared prefix holds {len(self.tokens)} tokens, {total} requested")
@@ -325,6 +329,11 @@ class PagedCache:
             return empty, empty
         slots = self.pool.slots(self.extent)
         return self.pool.storage[index, 0, :, slots], self.pool.storage[index, 1, :, slots]
+
+    def storage(self) -> tuple[torch.Tensor, int]:
+        """The pool storage `[layers, 2, kv_heads, slots, head_dim]` and the slot of own position 0
+        (reserved first)."""
+        return self.pool.storage, self.pool.slots(self.extent).start
 
     def keys(self) -> torch.Tensor:
         """The own keys of every layer: a view `[layers, kv_heads, own_capacity, head_dim]`."""

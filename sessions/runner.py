@@ -20,9 +20,37 @@ import torch
 from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend
 
 from .kvcache import KVBuffer, KVCache, KVShape
-from .weights import WeightsInfo, describe_weights
+from .weights import WeightsInfo, describe_weights, stabilize_rows
 
 ATTENTION_NAME = "streamer_cache"
+
+
+class DeferredLogits:
+    """The last token's final hidden state of a step whose job did not need its logits (a
+    prefill: nothing samples after reading input). The output head, a GEMV over the whole
+    vocabulary (most of a prefill step on a small model), runs only if someone reads them."""
+
+    __slots__ = ("hidden", "head", "_value")
+
+    def __init__(self, hidden: torch.Tensor, head: torch.nn.Module) -> None:
+        self.hidden, self.head, self._value = hidden, head, None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            with torch.inference_mode():
+                self._value = self.head(self.hidden[None])[0].float()
+            self.hidden = None
+        return self._value
+
+
+def resolve_logits(logits) -> torch.Tensor | None:
+    """A logits row, computing a deferred one."""
+    return logits.value() if isinstance(logits, DeferredLogits) else logits
+
+
+# Causal LMs whose logits are exactly `get_output_embeddings()` of the decoder's last hidden
+# state (no scaling or soft-capping after the head): their head can be deferred per row.
+PLAIN_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(slots=True)
@@ -44,6 +72,7 @@ class SeqStep:
     offset: int = 0  # index of the first token in the packed batch
     embeds: torch.Tensor | None = None  # VL model: input embeddings `[n, hidden]` instead of the tokens'
     mpos: torch.Tensor | None = None  # VL model: explicit M-RoPE positions `[3, n]` (default: text positions)
+    head: bool = True  # its job reads its last token's logits now; else they come back `DeferredLogits`
 
     @property
     def n(self) -> int:
@@ -62,9 +91,32 @@ class StepMetadata:
     backend: str = "reference"
     plan: object = None  # the step's attention plan (kernels.backend.plan_step), run by every layer
 
+    writes: list = field(default_factory=list)  # (storage, slots, token rows or None): where each layer's new K/V go
+
     def __post_init__(self) -> None:
         if self.plan is None:  # a caller outside the runner (one sequence, reference attention)
             self.plan = ReferencePlan(self.seqs, FORK_SUFFIX_MAX)
+        self.writes = kv_writes(self.seqs)
+
+
+def kv_writes(seqs: Sequence[SeqStep]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The step's K/V writes, once for every layer: per storage tensor the slots its sequences'
+    new tokens go to and which rows of the packed step they are (None: all, in order). One
+    `index_copy_` per storage and layer then writes every sequence."""
+    groups: dict[int, tuple[torch.Tensor, list, list]] = {}
+    for seq in seqs:
+        storage, base = seq.cache.storage()
+        first = base + seq.start - seq.cache.prefix_len
+        entry = groups.setdefault(id(storage), (storage, [], []))
+        entry[1].append(torch.arange(first, first + seq.n))
+        entry[2].append(torch.arange(seq.offset, seq.offset + seq.n))
+    total = sum(seq.n for seq in seqs)
+    out = []
+    for storage, slots, rows in groups.values():
+        slots, rows = torch.cat(slots).to(storage.device), torch.cat(rows)
+        whole = len(rows) == total and bool((rows == torch.arange(total)).all())
+        out.append((storage, slots, None if whole else rows.to(storage.device)))
+    return out
 
 
 FORK_SUFFIX_MAX = 128  # own tokens up to which forks of one group are batched together
@@ -80,11 +132,10 @@ def _session_attention(module, query, key, value, attention_mask, scaling=None, 
     if streamer_meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs `streamer_meta`; run through ModelRunner")
     layer = module.layer_idx
-    for seq in streamer_meta.seqs:
-        own_start = seq.start - seq.cache.prefix_len
-        k_cache, v_cache = seq.cache.layer(layer)
-        k_cache[:, own_start:own_start + seq.n] = key[0, :, seq.offset:seq.offset + seq.n]
-        v_cache[:, own_start:own_start + seq.n] = value[0, :, seq.offset:seq.offset + seq.n]
+    for storage, slots, rows in streamer_meta.writes:
+        k, v = (key[0], value[0]) if rows is None else (key[0].index_select(1, rows), value[0].index_select(1, rows))
+        storage[layer, 0].index_copy_(1, slots, k.to(storage.dtype))
+        storage[layer, 1].index_copy_(1, slots, v.to(storage.dtype))
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [N, H, D]
     if streamer_meta.backend == "triton":
         streamer_meta.plan.run(query[0].transpose(0, 1), layer, out=out, scaling=scaling)
@@ -124,6 +175,7 @@ class ModelRunner:
         else:
             model.set_attn_implementation(ATTENTION_NAME)
         model.eval()
+        stabilize_rows(model)  # a token's output never depends on how many share its step
         cfg = model.config if self.vl is None else model.config.text_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
@@ -138,6 +190,7 @@ class ModelRunner:
         self.attention_backend = "reference"
         self.weights = weights or describe_weights(model)  # the linear layers' format (sessions/weights.py)
         self._inv_freq: torch.Tensor | None = None
+        self._plain_head = self.vl is None and getattr(model.config, "model_type", None) in PLAIN_HEAD_TYPES
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -165,8 +218,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqStep], logits: str = "last") -> list[torch.Tensor] | None:
         """Run the new tokens of `seqs` in one forward; caches get the new K/V at their slots
-        (the caller commits them). `logits`: "last" (one row per sequence), "all" (rows per
-        token, per sequence) or "none"."""
+        (the caller commits them). `logits`: "last" (one row per sequence; a sequence whose step
+        has `head=False` gets `DeferredLogits`), "all" (rows per token, per sequence) or "none"."""
         if not seqs:
             raise ValueError("forward needs at least one sequence")
         ids: list[int] = []
@@ -180,37 +233,43 @@ class ModelRunner:
             seq.offset = len(ids)
             ids.extend(seq.tokens)
             positions.append(torch.arange(seq.position, seq.position + seq.n))
-        if logits == "all":
-            keep: int | torch.Tensor = 0
-        else:  # "none" still needs one row from the head; keep it to the last tokens
-            keep = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
         shape = self.kv_shape
         plan = plan_step(seqs, self.attention_backend, self.heads, shape.kv_heads, shape.head_dim, self.device,
                          FORK_SUFFIX_MAX)
         meta = StepMetadata(list(seqs), self.attention_backend, plan)
+        last = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
         if self.vl is not None:
-            rows = self._forward_vl(seqs, positions, meta, keep)
+            hidden, head = self._forward_vl(seqs, positions, meta), self.vl.head
         else:
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             streamer_meta=meta, logits_to_keep=keep)
-            rows = out.logits[0].float()
+            if not self._plain_head:  # the model's own head (it may scale or cap its logits)
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 streamer_meta=meta, logits_to_keep=0 if logits == "all" else last)
+                rows = out.logits[0].float()
+                if logits == "all":
+                    return [rows[s.offset:s.offset + s.n] for s in seqs]
+                return None if logits == "none" else list(rows.unbind(0))
+            out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                           streamer_meta=meta)
+            hidden, head = out.last_hidden_state[0], self.model.get_output_embeddings()
         if logits == "none":
             return None
         if logits == "all":
+            rows = head(hidden).float()
             return [rows[s.offset:s.offset + s.n] for s in seqs]
-        return list(rows.unbind(0))
+        hidden = hidden[last]
+        wanted = [i for i, s in enumerate(seqs) if s.head]
+        rows = iter(head(hidden[wanted]).float().unbind(0) if wanted else ())
+        return [next(rows) if s.head else DeferredLogits(hidden[i].clone(), head) for i, s in enumerate(seqs)]
 
-    def _forward_vl(self, seqs: Sequence[SeqStep], positions: list[torch.Tensor], meta: StepMetadata,
-                    keep: int | torch.Tensor) -> torch.Tensor:
+    def _forward_vl(self, seqs: Sequence[SeqStep], positions: list[torch.Tensor], meta: StepMetadata) -> torch.Tensor:
         """A VL model's language model over input embeddings (token embeddings, or a frame's own)
-        with M-RoPE positions `[3, 1, N]`; logits of the rows in `keep` (0: all)."""
+        with M-RoPE positions `[3, 1, N]`; its last hidden states `[N, hidden]`."""
         vl = self.vl
         embeds = [seq.embeds.to(self.device, self.kv_shape.dtype) if seq.embeds is not None else vl.embed(seq.tokens)
                   for seq in seqs]
         mpos = [seq.mpos if seq.mpos is not None else p.expand(3, -1) for seq, p in zip(seqs, positions)]
         out = vl.lm(inputs_embeds=torch.cat(embeds)[None], position_ids=torch.cat(mpos, 1)[:, None, :].to(self.device),
                     use_cache=False, streamer_meta=meta)
-        hidden = out.last_hidden_state[0]
-        return vl.head(hidden if isinstance(keep, int) else hidden[keep]).float()
+        return out.last_hidden_state[0]

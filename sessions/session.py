@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .errors import ContextOverflow, InvalidRequest
 from .framing import Framing
 from .kvcache import SessionCache
-from .runner import ModelRunner
+from .runner import ModelRunner, resolve_logits
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Session:
         self.closed = False
         self.created_at = time.time()
         self.last_input_at: float | None = None
-        self.last_logits = None  # logits after the newest committed token
+        self._last_logits = None  # logits after the newest committed token (maybe `DeferredLogits`)
         self.queries_answered = 0
         self.crop_epoch = 0  # bumped when tokens already in the cache are replaced (revise)
         self.flash: dict = {}  # flash_id -> FlashQuestion
@@ -229,6 +229,17 @@ class Session:
                 return i
         known = ", ".join(str(c.seq) for c in self.chunks[-5:])
         raise InvalidRequest(f"from_seq {from_seq} is not a live input of session {self.id} (latest: {known})")
+
+    @property
+    def last_logits(self):
+        """Logits after the newest committed token (None when unknown). A prefill leaves them
+        deferred: the output head runs here, on first read."""
+        self._last_logits = resolve_logits(self._last_logits)
+        return self._last_logits
+
+    @last_logits.setter
+    def last_logits(self, logits) -> None:
+        self._last_logits = logits
 
     def state(self) -> dict:
         return {

@@ -130,6 +130,37 @@ class Int4Linear(PackedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
 
 
+class RowStableLinear(nn.Linear):
+    """An fp32 linear layer whose rows never depend on how many run together. On the CPU,
+    torch's fp32 GEMM takes another path below 4 rows, which rounds differently (~1e-7): a
+    token read alone would differ from the same token in a step with others, and a replayed
+    session from the original. Fewer than `MIN_ROWS` rows are padded to it. (With one torch
+    thread every row count then gives the same bits; with more, the GEMM's split of the rows
+    over threads can still move a row by ~1e-7.)"""
+
+    MIN_ROWS = 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] >= self.MIN_ROWS:
+            return nn.functional.linear(x, self.weight, self.bias)
+        padded = rows.new_zeros(self.MIN_ROWS, self.in_features)
+        padded[:rows.shape[0]] = rows
+        out = nn.functional.linear(padded, self.weight, self.bias)[:rows.shape[0]]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def stabilize_rows(model: nn.Module) -> int:
+    """Make the model's CPU fp32 linear layers `RowStableLinear`, in place (their class only: the
+    weights stay where they are); returns how many."""
+    count = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+            m.__class__ = RowStableLinear
+            count += 1
+    return count
+
+
 def int4_fits(linear: nn.Linear) -> bool:
     """The int4 kernel wants output rows in multiples of 16 and input in whole groups."""
     return linear.out_features % 16 == 0 and linear.in_features % GROUP == 0

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from streamer.kernels import cache_attention, causal_offset_mask, forked_attention, merge_partials, ranges_attention
+from streamer.kernels.reference import OWN_BIAS_MAX, own_causal_bias
 
 
 def naive(query, k, v, start, scaling):
@@ -93,15 +94,37 @@ def test_two_shared_ranges_equal_attention_over_the_concatenation(lengths):
     torch.testing.assert_close(got, naive(q, full_k, full_v, sum(lengths) + 2, dim ** -0.5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("shared,own_start,n", [(0, 0, 1), (16, 0, 5), (16, 40, 1), (32, 40, 7), (0, 9, 3)])
-def test_ranges_attention_equals_attention_over_the_concatenation(shared, own_start, n):
-    """A session whose cache starts with a shared system-prompt prefix."""
+def test_ranges_attention_equals_attention_over_the_concatenation(shared, own_start, n, masked):
+    """A session whose cache starts with a shared system-prompt prefix: split into fused calls
+    merged by log-sum-exp, or (masked) one call over the gathered keys under `own_causal_bias`."""
     torch.manual_seed(shared + own_start + n)
     kv_heads, group, dim = 3, 3, 16
     pk, pv = torch.randn(kv_heads, shared + 3, dim), torch.randn(kv_heads, shared + 3, dim)
     k, v = torch.randn(kv_heads, own_start + n + 4, dim), torch.randn(kv_heads, own_start + n + 4, dim)
     q = torch.randn(kv_heads * group, n, dim)
-    got = ranges_attention(q, [(pk, pv, shared)], k, v, own_start, dim ** -0.5)
+    bias = own_causal_bias(kv_heads * group, kv_heads, n, own_start, q.dtype, q.device, before=shared) if masked \
+        else None
+    assert (bias is not None) == (masked and n > 1)  # a decode row needs no mask
+    got = ranges_attention(q, [(pk, pv, shared)], k, v, own_start, dim ** -0.5, bias)
     full_k = torch.cat([pk[:, :shared], k[:, :own_start + n]], dim=1)
     full_v = torch.cat([pv[:, :shared], v[:, :own_start + n]], dim=1)
     torch.testing.assert_close(got, naive(q, full_k, full_v, shared + own_start, dim ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_own_causal_bias_is_the_folded_offset_causal_mask_and_stays_small():
+    bias = own_causal_bias(4, 2, 3, 2, torch.float32, torch.device("cpu"), before=1)[0, 0]
+    visible = torch.cat([torch.ones(3, 1, dtype=torch.bool), causal_offset_mask(3, 2)], dim=1)
+    assert torch.equal(bias == 0, visible.repeat(2, 1))  # row g * n + i is query i of group member g
+    assert own_causal_bias(4, 2, 1, 100, torch.float32, torch.device("cpu")) is None  # decode: no mask
+    n = 512
+    assert own_causal_bias(6, 2, n, OWN_BIAS_MAX // (3 * n), torch.float32, torch.device("cpu")) is None
+
+
+def test_two_part_merge_equals_the_general_merge():
+    torch.manual_seed(5)
+    parts = [(torch.randn(3, 4, 8), torch.randn(3, 4) * 4) for _ in range(2)]
+    lse = torch.stack([p[1] for p in parts])
+    weights = torch.exp(lse - torch.logsumexp(lse, dim=0))
+    torch.testing.assert_close(merge_partials(parts), sum(w.unsqueeze(-1) * p[0] for w, p in zip(weights, parts)))

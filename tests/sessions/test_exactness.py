@@ -118,3 +118,21 @@ def test_revise_reuses_the_common_prefix(tiny):
     result = drive(runner, ReviseJob(session, "Alpha beta gamma delta epsilon eta.", None))
     assert result.kept_tokens >= 5
     assert result.kept_tokens < result.tokens
+
+
+def test_reading_input_runs_no_output_head_until_its_logits_are_read(tiny):
+    """Nothing samples after input is read, so a prefill leaves its last logits deferred: the
+    head (a GEMV over the whole vocabulary) runs once when they are read, and they are exact."""
+    runner, ref = tiny
+    head = runner.model.get_output_embeddings()
+    rows = []
+    hook = head.register_forward_hook(lambda module, args, out: rows.append(args[0].reshape(-1, head.in_features).shape[0]))
+    try:
+        session = build(runner, [TEXT[:90], TEXT[90:]], budget=32)  # several steps per input
+        assert rows == []
+        first = session.last_logits
+        assert rows == [1] and session.last_logits is first  # computed once, then kept
+    finally:
+        hook.remove()
+    full = reference_logits(ref, session.context_ids())
+    assert (first - full[-1]).abs().max().item() <= 1e-4

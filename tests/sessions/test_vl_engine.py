@@ -121,6 +121,35 @@ def test_frames_and_text_chunk_by_chunk_equal_one_forward(vl):
         assert s.state()["frames"] == 3
 
 
+def test_a_video_session_reads_bit_for_bit_the_same_alone_or_batched(vl):
+    """A session's cache and logits do not depend on which other sessions share its steps
+    (replay runs a session with other company than it first had): four sessions of different
+    lengths read the same frames batched, and each equals itself read alone, exactly."""
+    loaded, _ = vl
+    leads = ["", "a note", "a longer note about the scene", ""]
+    images = [picture(40 + k, 90, 120) for k in range(3)]
+
+    def read(texts):
+        core = make_core(loaded)
+        sids = [open_session(core) for _ in texts]
+        for sid, text in zip(sids, texts):
+            if text:
+                jobs.append(core, sid, text)
+        core.run_until_idle()
+        steps = core.stats.steps
+        for k, img in enumerate(images):
+            for sid in sids:
+                add_frame(core, sid, img, k * 0.5)
+            core.run_until_idle()
+        assert len(texts) == 1 or core.stats.step_sequences > core.stats.steps - steps  # they shared steps
+        return [(core.sessions[sid].cache.snapshot(), core.sessions[sid].last_logits) for sid in sids]
+
+    batched = read(leads)
+    for i, text in enumerate(leads):
+        ((kv, logits),) = read([text])
+        assert torch.equal(kv, batched[i][0]) and torch.equal(logits, batched[i][1]), f"session {i}"
+
+
 def test_question_on_a_video_session_equals_stateless_greedy(vl):
     loaded, ref = vl
     core = make_core(loaded)

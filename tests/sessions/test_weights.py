@@ -17,6 +17,7 @@ from streamer.sessions.weights import (
     Bf16Linear,
     Int4Linear,
     Int8Linear,
+    RowStableLinear,
     WeightFormatError,
     apply_weights,
     describe_weights,
@@ -80,6 +81,23 @@ def test_int4_weights_are_q4_1_blocks():
     assert (q41 - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
     dequant = _dequant_int4(Int4Linear(linear), 32, 64)
     assert (dequant - q41).abs().max().item() <= 0.01 * q41.abs().max().item()  # bf16 scales and zeros
+
+
+def test_fp32_rows_do_not_depend_on_how_many_run_together():
+    """Below 4 rows torch's fp32 GEMM rounds another way; the runner's fp32 layers pad to 4, so on
+    one thread a token's output is the same in a step of 1, 3 or 300."""
+    torch.manual_seed(3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layer = nn.Linear(576, 192)
+        x = torch.randn(300, 576)
+        layer.__class__ = RowStableLinear
+        full = layer(x)
+        for m in (1, 2, 3, 4, 7, 64):
+            assert torch.equal(layer(x[3:3 + m]), full[3:3 + m])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_outputs_do_not_depend_on_how_many_rows_run_together():
