@@ -488,8 +488,14 @@ async def fuzz_store(n: int, seed: int = 3, report=print, outcomes: dict | None 
             crashes.append(f"store fuzz ({where}): error {key}: {event['error']['message']}")
 
     async def inject() -> None:  # kill and restart empty, or stall, in turn
+        # Each fault comes after 0.8-2 s or after the next 1/12-1/6 of the inputs is acked, whichever
+        # is first: a fast engine gets through a short run between timed faults, the paced ones still hit it.
+        gap, mark = max(20, n // 6), 0
         while not done.is_set():
-            await asyncio.sleep(rng.uniform(0.8, 2.0))
+            mark += rng.randint(gap // 2, gap)
+            deadline = time.monotonic() + rng.uniform(0.8, 2.0)
+            while not done.is_set() and len(acked) < mark and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             if done.is_set():
                 break
             if rng.random() < 0.5:
