@@ -9,7 +9,7 @@ real client over loopback.
      (1, 4 and 16 questions registered).
   3. Batched evaluation of 16 questions (one FlashJob) versus 16 sequential questions.
 
-Run: python bench/flash.py [--context 4096] [--max-tokens 16]
+Run: python bench/flash.py [--context 4096] [--max-tokens 16] [--weights auto|fp32|int8|int4]
 The last line is `RESULT flash_vs_ondemand=<x> batched16_vs_sequential=<x> staleness16_s=<x>`.
 """
 
@@ -32,8 +32,7 @@ from streamer.sessions.engine import Engine, EngineLimits  # noqa: E402
 from streamer.sessions.flash import FlashJob, FlashQuestion  # noqa: E402
 from streamer.sessions.jobs import drive  # noqa: E402
 from streamer.sessions.query import QueryJob  # noqa: E402
-from streamer.sessions.models import load_model  # noqa: E402
-from streamer.sessions.runner import ModelRunner  # noqa: E402
+from streamer.app import build_runner  # noqa: E402
 from streamer.sessions.sampling import SamplingParams  # noqa: E402
 
 QUESTIONS = [
@@ -149,9 +148,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="tokens of context (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=16, help="answer tokens (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--weights", default="auto", help="weight format, as `streamer serve --weights` "
+                                                          "(default: %(default)s, what the server runs)")
     args = parser.parse_args()
-    lm = load_model("embedded")
-    runner = ModelRunner(lm.model, lm.tokenizer, lm.name)
+    runner = build_runner("embedded", weights=args.weights)
+    print(f"embedded model, weights {runner.weights.format} ({runner.weights.source})")
     paragraphs = document(runner, args.context - 60)
 
     engine = Engine(runner, EngineLimits()).start()
@@ -170,7 +171,7 @@ def main() -> None:
     cold = stateless(runner, paragraphs, QUESTIONS[0], args.max_tokens)
     batched, sequential, same = batched_vs_sequential(runner, paragraphs, args.max_tokens)
 
-    print(f"\nmodel {lm.name}, context {r['context']} tokens, answers up to {args.max_tokens} tokens")
+    print(f"\nmodel {runner.name}, context {r['context']} tokens, answers up to {args.max_tokens} tokens")
     print(f"answer on demand: {r['answer'].strip()!r}; from flash: {r['flash_answer'].strip()!r}")
     print("\n| registered question at ~4K tokens | server ms | client ms |")
     print("|---|---:|---:|")
