@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .reference import cache_attention, forked_attention, own_causal_bias, own_partials, ranges_attention
+from .reference import cache_attention, forked_attention, own_causal_bias, ranges_attention
 
 BACKENDS = ("auto", "reference", "triton")
 ENV_VAR = "STREAMER_ATTENTION_BACKEND"
@@ -155,13 +155,10 @@ class ReferencePlan:
         biases = iter(self._own_biases(query, layer))
         for (seq, start, _), bias in zip(self.plain, biases):
             src = slice(seq.offset, seq.offset + seq.n)
-            k, v = seq.cache.layer(layer)
             if bias is None:
-                out[src] = cache_attention(query[:, src], k, v, start, scaling)
-            else:
-                q = query[:, src]
-                (o, _), = own_partials(q, k, v, start, q.shape[-1] ** -0.5 if scaling is None else scaling, bias)
-                out[src] = o.transpose(0, 1)
+                out[src] = cache_attention(query[:, src], *seq.cache.layer(layer), start, scaling)
+            else:  # one masked call over its own cache (no read-only ranges)
+                out[src] = ranges_attention(query[:, src], [], *seq.cache.layer(layer), start, scaling, bias)
         for (seq, start, parts), bias in zip(self.ranged, biases):
             src = slice(seq.offset, seq.offset + seq.n)
             out[src] = ranges_attention(query[:, src], [(*c.layer(layer), n) for c, n in parts],

@@ -128,8 +128,7 @@ def ranges_attention(
         v = torch.cat([v[:, :length] for _, v, length in ranges] + [own_v[:, :end]], dim=1)
         (out, _), = own_partials(query, k, v, k.shape[1] - n, scale, own_bias)
         return out.transpose(0, 1)
-    parts = [_partial_attention(query, k[:, :length], v[:, :length], None, scale)
-             for k, v, length in ranges if length > 0]
+    parts = [_partial_attention(query, k[:, :length], v[:, :length], None, scale) for k, v, length in ranges]
     parts.extend(own_partials(query, own_k, own_v, own_start, scale, own_bias))
     if len(parts) == 1:
         return parts[0][0].transpose(0, 1)

@@ -101,8 +101,9 @@ class StepMetadata:
 
 def kv_writes(seqs: Sequence[SeqStep]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """The step's K/V writes, once for every layer: per storage tensor the slots its sequences'
-    new tokens go to and which rows of the packed step they are (None: all, in order). One
-    `index_copy_` per storage and layer then writes every sequence."""
+    new tokens go to and which rows of the packed step they are (None: all of them, when one
+    storage holds every sequence: `forward` packs the sequences in order). One `index_copy_` per
+    storage and layer then writes every sequence."""
     groups: dict[int, tuple[torch.Tensor, list, list]] = {}
     for seq in seqs:
         storage, base = seq.cache.storage()
@@ -110,13 +111,9 @@ def kv_writes(seqs: Sequence[SeqStep]) -> list[tuple[torch.Tensor, torch.Tensor,
         entry = groups.setdefault(id(storage), (storage, [], []))
         entry[1].append(torch.arange(first, first + seq.n))
         entry[2].append(torch.arange(seq.offset, seq.offset + seq.n))
-    total = sum(seq.n for seq in seqs)
-    out = []
-    for storage, slots, rows in groups.values():
-        slots, rows = torch.cat(slots).to(storage.device), torch.cat(rows)
-        whole = len(rows) == total and bool((rows == torch.arange(total)).all())
-        out.append((storage, slots, None if whole else rows.to(storage.device)))
-    return out
+    return [(storage, torch.cat(slots).to(storage.device),
+             None if len(groups) == 1 else torch.cat(rows).to(storage.device))
+            for storage, slots, rows in groups.values()]
 
 
 FORK_SUFFIX_MAX = 128  # own tokens up to which forks of one group are batched together
