@@ -20,6 +20,7 @@ import torch
 from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend
 
 from .kvcache import KVBuffer, KVCache, KVShape
+from .native import NativeStack
 from .weights import WeightsInfo, describe_weights, stabilize_rows
 
 ATTENTION_NAME = "streamer_cache"
@@ -154,6 +155,19 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
+def native_stack(model: torch.nn.Module) -> NativeStack | None:
+    """The native stack of a model whose linear layers `weights.apply_weights` put on the C
+    kernels (None otherwise). Its KV cache is fp16: half the bytes attention reads a token, the
+    dtype llama.cpp keeps."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not hasattr(layers[0].self_attn, "native_qkv"):
+        return None
+    from streamer.kernels import cpu
+
+    cpu.set_threads(torch.get_num_threads())
+    return NativeStack(model, torch.float16)
+
+
 class ModelRunner:
     """Owns a causal LM and runs packed steps over session caches. Not thread-safe: one
     thread (the engine's) drives it."""
@@ -176,10 +190,11 @@ class ModelRunner:
         cfg = model.config if self.vl is None else model.config.text_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
+        self.native = native_stack(model) if self.vl is None else None  # the whole step in C (sessions/native.py)
         self.kv_shape = KVShape(
             layers=cfg.num_hidden_layers,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim, dtype=param.dtype, device=param.device,
+            head_dim=head_dim, dtype=self.native.kv_dtype if self.native else param.dtype, device=param.device,
         )
         self.heads = cfg.num_attention_heads
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -230,17 +245,20 @@ class ModelRunner:
             seq.offset = len(ids)
             ids.extend(seq.tokens)
             positions.append(torch.arange(seq.position, seq.position + seq.n))
+        if self.native is not None:
+            hidden = self.native.forward(seqs, ids, torch.cat(positions))
+            return self._logits(seqs, hidden, self.model.get_output_embeddings(), logits)
         shape = self.kv_shape
         plan = plan_step(seqs, self.attention_backend, self.heads, shape.kv_heads, shape.head_dim, self.device,
                          FORK_SUFFIX_MAX)
         meta = StepMetadata(list(seqs), self.attention_backend, plan)
-        last = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
         if self.vl is not None:
             hidden, head = self._forward_vl(seqs, positions, meta), self.vl.head
         else:
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
             if not self._plain_head:  # the model's own head (it may scale or cap its logits)
+                last = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                  streamer_meta=meta, logits_to_keep=0 if logits == "all" else last)
                 rows = out.logits[0].float()
@@ -250,12 +268,16 @@ class ModelRunner:
             out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                            streamer_meta=meta)
             hidden, head = out.last_hidden_state[0], self.model.get_output_embeddings()
+        return self._logits(seqs, hidden, head, logits)
+
+    def _logits(self, seqs: Sequence[SeqStep], hidden: torch.Tensor, head, logits: str):
+        """The step's logits from its final hidden states `[N, hidden]` (see `forward`)."""
         if logits == "none":
             return None
         if logits == "all":
             rows = head(hidden).float()
             return [rows[s.offset:s.offset + s.n] for s in seqs]
-        hidden = hidden[last]
+        hidden = hidden[torch.tensor([s.offset + s.n - 1 for s in seqs], device=hidden.device)]
         wanted = [i for i, s in enumerate(seqs) if s.head]
         rows = iter(head(hidden[wanted]).float().unbind(0) if wanted else ())
         return [next(rows) if s.head else DeferredLogits(hidden[i].clone(), head) for i, s in enumerate(seqs)]

@@ -57,10 +57,11 @@ class WeightsInfo:
     source: str = "checkpoint"  # checkpoint | quantized at load | gguf Q4_1
     linear_bytes: int = 0  # bytes of the linear layers' weights (read once per decode step)
     requested: str = "fp32"
+    kernels: str = "torch"  # torch | native (<simd>): streamer's C kernels | aten: ATen's packed kernels
 
     def public(self) -> dict:
         return {"format": self.format, "requested": self.requested, "source": self.source,
-                "linear_bytes": self.linear_bytes}
+                "linear_bytes": self.linear_bytes, "kernels": self.kernels}
 
 
 class PackedLinear(nn.Module):
@@ -252,27 +253,68 @@ def resolve_format(requested: str, model: nn.Module, device: torch.device | str,
 
 def describe_weights(model: nn.Module, requested: str | None = None) -> WeightsInfo:
     """The format of a model's linear layers as they are (unpacked: named by their dtype)."""
+    from .native import NativeLinear
+
+    native = [m for m in model.modules() if isinstance(m, NativeLinear)]
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     plain = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if packed:
+    order = ("bf16", "int8", "int4")
+    if native:
+        fmt = max((m.format for m in native), key=order.index)
+    elif packed:
         kinds = {Bf16Linear: "bf16", Int8Linear: "int8", Int4Linear: "int4"}
-        fmt = max((kinds[type(m)] for m in packed), key=("bf16", "int8", "int4").index)
+        fmt = max((kinds[type(m)] for m in packed), key=order.index)
     else:
         dtype = plain[0].weight.dtype if plain else torch.float32
         fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
     nbytes = sum(m.nbytes() for m in packed) + sum(m.weight.numel() * m.weight.element_size() for m in plain)
-    return WeightsInfo(format=fmt, requested=requested or fmt, linear_bytes=nbytes)
+    kernels = "aten" if packed and fmt != "bf16" else "torch"
+    if native:
+        from streamer.kernels.cpu import simd
+
+        nbytes += sum(m.nbytes() for m in _fused_matrices(model))
+        kernels = f"native ({simd()})"
+    return WeightsInfo(format=fmt, requested=requested or fmt, linear_bytes=nbytes, kernels=kernels)
+
+
+def _fused_matrices(model: nn.Module) -> list:
+    """The native stack's packed matrices (each fused one counted once) and its output head."""
+    out = []
+    for m in model.modules():
+        for name in ("native_qkv", "native_o", "native_gate_up", "native_down"):
+            if hasattr(m, name):
+                out.append(getattr(m, name))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "matrix"):
+        out.append(head.matrix)
+    return out
 
 
 def apply_weights(model: nn.Module, requested: str = "auto", device: torch.device | str = "cpu",
-                  gguf_path: Path | None = None) -> WeightsInfo:
-    """Put the model's linear layers (lm_head included) into the chosen format, in place."""
+                  gguf_path: Path | None = None, native: bool | None = None) -> WeightsInfo:
+    """Put the model's linear layers (lm_head included) into the chosen format, in place.
+    int8/int4 run on streamer's C kernels (`native`, with the whole decoder stack in C: see
+    sessions/native.py) where they build and the architecture is one they run, else on ATen's
+    packed kernels; `native=False` forces ATen, True requires the C kernels."""
     fmt = resolve_format(requested, model, device, gguf_path)
     if fmt == "fp32" or (fmt == "bf16" and next(model.parameters()).dtype == torch.bfloat16):
         return describe_weights(model, requested)
-    info = WeightsInfo(format=fmt, requested=requested)
     blocks = gguf_q4_1_linears(model, gguf_path) if fmt == "int4" and gguf_path is not None else {}
-    info.source = "gguf Q4_1" if blocks else "quantized at load"
+    source = "gguf Q4_1" if blocks else "quantized at load"
+    if fmt in ("int4", "int8") and native is not False:
+        reason = native_unavailable(model)
+        if reason is None:
+            from .native import apply_native
+
+            apply_native(model, fmt, blocks)
+            info = describe_weights(model, requested)
+            info.source = source
+            log.info("linear layers as %s (%s) on %s: %.1f MB", fmt, source, info.kernels, info.linear_bytes / 1e6)
+            return info
+        if native:
+            raise WeightFormatError(f"--weights {fmt} on the native kernels cannot run here: {reason}")
+        log.warning("%s runs on ATen's kernels (several times slower to decode): %s", fmt, reason)
+    info = WeightsInfo(format=fmt, requested=requested, source=source, kernels="aten" if fmt != "bf16" else "torch")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in swaps:
@@ -286,6 +328,20 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
         log.info("layers the int4 kernel cannot shape (rows not a multiple of 16) are int8")
     log.info("linear layers as %s (%s): %.1f MB", fmt, info.source, info.linear_bytes / 1e6)
     return info
+
+
+def native_unavailable(model: nn.Module) -> str | None:
+    """Why int8/int4 cannot run on the native stack for this model (None: they can)."""
+    from streamer.kernels import cpu
+
+    from .native import native_unsupported
+
+    if next(model.parameters()).device.type != "cpu":
+        return "the model is not on the CPU"
+    reason = native_unsupported(model)
+    if reason is not None:
+        return reason
+    return cpu.unavailable_reason()
 
 
 def _pack(linear: nn.Linear, fmt: str, block: tuple | None) -> PackedLinear:

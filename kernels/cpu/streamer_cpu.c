@@ -1,0 +1,1392 @@
+/* streamer's CPU kernels: the decoder stack of a Llama-family model over a packed step.
+ *
+ * A step is N new tokens of several sequences (sessions, questions, flash forks), each written
+ * into its own KV cache and attending over read-only ranges of other caches plus its own
+ * cache, causally. One call runs every layer for all N rows:
+ *
+ *   RMSNorm -> q|k|v (one weight matrix) -> rotary embedding, K/V written at the sequence's
+ *   slots -> attention (split over key chunks, merged by log-sum-exp in a fixed order) ->
+ *   o (added to the residual) -> RMSNorm -> gate|up (one matrix) -> SiLU(gate) * up -> down
+ *   (added to the residual)
+ *
+ * Linear layers are weight-only quantized, as llama.cpp runs them: per block of 32 weights a
+ * scale d and an offset m (fp16), codes of 4 bits (Q4_1: w = d q + m) or 8 bits (Q8_0 stored
+ * as q + 128 with m = -128 d); activations are quantized per block of 32 to int8 (scale
+ * amax / 127), and the dot product of a block is exact in integers:
+ *     sum_j w_j x_j = d_w d_x sum_j q_j qx_j + m_w (d_x sum_j qx_j).
+ *
+ * Determinism: every output row is computed by the same sequence of floating-point operations
+ * whatever other rows share the step, whatever the thread count and whichever thread runs it
+ * (work is split over output columns, attention key chunks of a fixed size and rows; a key
+ * chunk's partial softmax is merged into a row's state in one fixed order). So a token reads
+ * bit for bit the same alone or batched, and a replayed session equals the original.
+ *
+ * Built at first use by kernels/cpu.py (gcc -O3 -march=native); AVX-512 VNNI where the CPU
+ * has it, portable C elsewhere. No global state but the thread pool.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SK_AVX512 1
+#include <immintrin.h>
+#else
+#define SK_AVX512 0
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define QB 32           /* weights per quantization block */
+#define CHUNK 256       /* keys per attention chunk (fixed: a row's result never depends on the batch) */
+#define SPLIT_ROWS 8    /* sequences with at most this many new rows split their own keys over tasks */
+#define ROW_TILE 16     /* rows per attention task of a longer sequence */
+#define MAX_THREADS 64
+#define ALIGN 64
+
+/* ---- fp16 ------------------------------------------------------------------------------ */
+
+static inline float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        if (m == 0) { bits = s; }
+        else { /* subnormal */
+            e = 127 - 15 + 1;
+            while (!(m & 0x400)) { m <<= 1; e--; }
+            bits = s | (e << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (e == 31) {
+        bits = s | 0x7f800000u | (m << 13);
+    } else {
+        bits = s | ((e + 127 - 15) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f2h(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    int32_t e = (int32_t)((x >> 23) & 0xff) - 127 + 15;
+    uint32_t m = x & 0x7fffffu;
+    if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u : 0));
+    if (e >= 31) return (uint16_t)(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return (uint16_t)sign;
+        m |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - e), half = 1u << (shift - 1);
+        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = m >> 13, rem = m & 0x1fffu;
+    uint32_t out = sign | ((uint32_t)e << 10) | r;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1))) out++;
+    return (uint16_t)out;
+#endif
+}
+
+/* ---- the thread pool ----------------------------------------------------------------------
+ * Workers spin briefly for the next job (steps come back to back while a session decodes),
+ * then sleep on a condition variable. Inside a job, phases are separated by a spin barrier
+ * that yields the CPU when a peer is descheduled. */
+
+typedef void (*job_fn)(void *ctx, int tid, int nth);
+
+static struct {
+    int nth;                      /* threads in a job, the caller included */
+    int started;                  /* worker threads alive */
+    pthread_t threads[MAX_THREADS];
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_uint generation;
+    atomic_int pending;           /* workers still running the current job */
+    atomic_int sleeping;
+    job_fn fn;
+    void *ctx;
+    /* barrier */
+    atomic_int arrived;
+    atomic_uint phase;
+} POOL = {.nth = 1, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+#define SPIN_ROUNDS 20000
+
+static unsigned start_generation[MAX_THREADS]; /* the generation a worker was created at: it runs every later job */
+
+static void *worker_main(void *arg) {
+    int tid = (int)(intptr_t)arg;
+    unsigned seen = start_generation[tid];
+    for (;;) {
+        unsigned g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&POOL.generation, memory_order_acquire)) == seen) {
+            if (++spins < SPIN_ROUNDS) { cpu_relax(); continue; }
+            pthread_mutex_lock(&POOL.lock);
+            atomic_fetch_add(&POOL.sleeping, 1);
+            while ((g = atomic_load(&POOL.generation)) == seen) pthread_cond_wait(&POOL.wake, &POOL.lock);
+            atomic_fetch_sub(&POOL.sleeping, 1);
+            pthread_mutex_unlock(&POOL.lock);
+            break;
+        }
+        seen = g;
+        if (POOL.fn == NULL) return NULL; /* shutdown */
+        if (tid < POOL.nth) POOL.fn(POOL.ctx, tid, POOL.nth);
+        atomic_fetch_sub_explicit(&POOL.pending, 1, memory_order_release);
+    }
+}
+
+int sk_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    while (POOL.started < n - 1) {
+        int tid = POOL.started + 1;
+        start_generation[tid] = atomic_load(&POOL.generation);
+        if (pthread_create(&POOL.threads[POOL.started], NULL, worker_main, (void *)(intptr_t)tid) != 0) break;
+        pthread_detach(POOL.threads[POOL.started]);
+        POOL.started++;
+    }
+    POOL.nth = n <= POOL.started + 1 ? n : POOL.started + 1;
+    return POOL.nth;
+}
+
+int sk_threads(void) { return POOL.nth; }
+
+static void run_job(job_fn fn, void *ctx) {
+    if (POOL.nth <= 1 || POOL.started == 0) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    POOL.fn = fn;
+    POOL.ctx = ctx;
+    atomic_store(&POOL.arrived, 0);
+    atomic_store(&POOL.pending, POOL.started);
+    pthread_mutex_lock(&POOL.lock);
+    atomic_fetch_add_explicit(&POOL.generation, 1, memory_order_release);
+    if (atomic_load(&POOL.sleeping) > 0) pthread_cond_broadcast(&POOL.wake);
+    pthread_mutex_unlock(&POOL.lock);
+    fn(ctx, 0, POOL.nth);
+    int spins = 0;
+    while (atomic_load_explicit(&POOL.pending, memory_order_acquire) > 0) {
+        if (++spins > 1000) sched_yield(); else cpu_relax();
+    }
+}
+
+static void barrier(int nth) {
+    if (nth <= 1) return;
+    unsigned phase = atomic_load_explicit(&POOL.phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&POOL.arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&POOL.arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&POOL.phase, 1, memory_order_release);
+        return;
+    }
+    int spins = 0;
+    while (atomic_load_explicit(&POOL.phase, memory_order_acquire) == phase) {
+        if (++spins > 2000) sched_yield(); else cpu_relax();
+    }
+}
+
+static inline void split(int total, int tid, int nth, int *lo, int *hi) {
+    *lo = (int)((int64_t)total * tid / nth);
+    *hi = (int)((int64_t)total * (tid + 1) / nth);
+}
+
+/* ---- quantized matrices ------------------------------------------------------------------
+ * A row (output n) is a run of units: quads (128 weights, 4 blocks), then a pair (2 blocks)
+ * and a single block for what is left (k % 128). 4-bit units hold the codes, then the scales d
+ * and the offsets m of their blocks (fp16): a quad is 64 bytes of codes (byte t: weight t in the
+ * low nibble, weight 64 + t in the high one) + 8 + 8, a pair 32 bytes (weights t, 32 + t) + 4 +
+ * 4, a single block 16 bytes (t, 16 + t) + 2 + 2: Q4_1's 5 bits a weight. 8-bit units hold the
+ * codes (q + 128, in order) and the scales: Q8_0's 8.5 bits a weight, no offsets.
+ * Columns go in groups of NR (the last may be shorter) interleaved unit by unit, so a tile of
+ * the GEMM reads one sequential stream: group g starts at g * NR * row_bytes; in a group of
+ * `cols` columns, unit u of column j is at unit_start(u) * cols + j * unit_bytes(u). */
+
+#define MR 4 /* GEMM micro-tile: rows */
+#define NR 4 /* and columns (a group of interleaved columns in the packed layout) */
+
+typedef struct {
+    int32_t bits, n, k, pad;
+    int64_t row_bytes;
+    const uint8_t *data;
+    const float *bias; /* [n] or NULL */
+} sk_qmat;
+
+static inline int unit_bytes(int bits, int blocks) {
+    return bits == 8 ? blocks * 34 : blocks * 20;
+}
+
+int64_t sk_row_bytes(int bits, int k) { return (int64_t)unit_bytes(bits, k / QB); }
+
+/* Where block b of column j lies in its group: the unit's start, the unit's size in blocks
+ * and b's index in it. */
+static inline const uint8_t *unit_of(const uint8_t *group, int cols, int j, int k, int bits, int b, int *blocks,
+                                     int *index) {
+    int quads = k / 128, rem = k % 128 / QB;
+    int64_t at;
+    if (b < quads * 4) {
+        *blocks = 4;
+        *index = b % 4;
+        at = ((int64_t)(b / 4) * cols + j) * unit_bytes(bits, 4);
+    } else if (rem >= 2 && b < quads * 4 + 2) {
+        *blocks = 2;
+        *index = b - quads * 4;
+        at = (int64_t)quads * cols * unit_bytes(bits, 4) + (int64_t)j * unit_bytes(bits, 2);
+    } else {
+        *blocks = 1;
+        *index = 0;
+        at = (int64_t)quads * cols * unit_bytes(bits, 4) + (int64_t)(rem >= 2) * cols * unit_bytes(bits, 2) +
+             (int64_t)j * unit_bytes(bits, 1);
+    }
+    return group + at;
+}
+
+/* Pack codes (uint8 [n, k]: 0..15, or q + 128 for 8 bits), scales and offsets (fp16 bits
+ * [n, k/32]; offsets ignored for 8 bits) into the layout above. */
+void sk_pack(int bits, int n, int k, const uint8_t *codes, const uint16_t *d, const uint16_t *m, uint8_t *out) {
+    int nb = k / QB;
+    int64_t rb = sk_row_bytes(bits, k);
+    for (int r = 0; r < n; r++) {
+        int g = r / NR, j = r % NR, cols = n - g * NR < NR ? n - g * NR : NR;
+        const uint8_t *group = out + (int64_t)g * NR * rb, *c = codes + (int64_t)r * k;
+        const uint16_t *dr = d + (int64_t)r * nb, *mr = m + (int64_t)r * nb;
+        for (int b = 0; b < nb;) {
+            int blocks, index;
+            uint8_t *o = (uint8_t *)unit_of(group, cols, j, k, bits, b, &blocks, &index);
+            const uint8_t *cu = c + b * QB;
+            int width = blocks * QB;
+            if (bits == 8) {
+                memcpy(o, cu, (size_t)width);
+            } else {
+                for (int t = 0; t < width / 2; t++) o[t] = (uint8_t)((cu[t] & 15) | ((cu[width / 2 + t] & 15) << 4));
+            }
+            o += bits == 8 ? width : width / 2;
+            memcpy(o, dr + b, (size_t)blocks * 2);
+            if (bits == 4) memcpy(o + blocks * 2, mr + b, (size_t)blocks * 2);
+            b += blocks;
+        }
+    }
+}
+
+/* Activations quantized per block of 32 (codes, scale d = amax / 127), with what the kernel
+ * multiplies them by, laid out per row:
+ *   d16 [nb/2][16]: each pair of blocks' two scales over 8 lanes each;
+ *   c8 [nb][8]: -128 * the sum of each 4 consecutive codes (an 8-bit weight is stored as
+ *               q + 128; starting each lane of the integer dot product here removes the 128);
+ *   s8 [quads][8]: 0, 0, 0, 0 and d * sum(codes) of the quad's 4 blocks (times the offsets);
+ *   s [nb]: d * sum(codes) of every block. */
+typedef struct {
+    int k;
+    int8_t *q;
+    float *d, *s, *d16, *s8;
+    int32_t *c8;
+} act_t;
+
+static inline int8_t *act_q(const act_t *a, int r) { return a->q + (int64_t)r * a->k; }
+static inline float *act_d(const act_t *a, int r) { return a->d + (int64_t)r * (a->k / QB); }
+static inline float *act_s(const act_t *a, int r) { return a->s + (int64_t)r * (a->k / QB); }
+static inline float *act_d16(const act_t *a, int r) { return a->d16 + (int64_t)r * (a->k / 64) * 16; }
+static inline float *act_s8(const act_t *a, int r) { return a->s8 + (int64_t)r * (a->k / 128) * 8; }
+static inline int32_t *act_c8(const act_t *a, int r) { return a->c8 + (int64_t)r * (a->k / QB) * 8; }
+
+static inline size_t round_up(size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+static size_t act_bytes(int k, int rows) {
+    size_t nb = (size_t)rows * (k / QB);
+    return round_up((size_t)rows * k) + 2 * round_up(nb * 4) + round_up((size_t)rows * (k / 64) * 64) +
+           round_up((size_t)rows * (k / 128) * 32) + round_up(nb * 32);
+}
+
+/* Lay an activation buffer for `rows` rows of width k out at `base` (act_bytes(k, rows) bytes). */
+static void act_place(act_t *a, int k, int rows, char *base) {
+    size_t nb = (size_t)rows * (k / QB), off = 0;
+    a->k = k;
+    a->q = (int8_t *)(base + off); off += round_up((size_t)rows * k);
+    a->d = (float *)(base + off); off += round_up(nb * 4);
+    a->s = (float *)(base + off); off += round_up(nb * 4);
+    a->d16 = (float *)(base + off); off += round_up((size_t)rows * (k / 64) * 64);
+    a->s8 = (float *)(base + off); off += round_up((size_t)rows * (k / 128) * 32);
+    a->c8 = (int32_t *)(base + off);
+}
+
+static void quantize_row(const float *x, const act_t *a, int r) {
+    int k = a->k, nb = k / QB;
+    int8_t *q = act_q(a, r);
+    float *d = act_d(a, r), *s = act_s(a, r), *d16 = act_d16(a, r), *s8 = act_s8(a, r);
+    int32_t *c8 = act_c8(a, r);
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + b * QB;
+        int8_t *qb = q + b * QB;
+        int sum = 0;
+#if SK_AVX512
+        __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512 vid = _mm512_set1_ps(id);
+        __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
+        _mm_storeu_si128((__m128i *)qb, _mm512_cvtsepi32_epi8(ql));
+        _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtsepi32_epi8(qh));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+#else
+        float amax = 0.0f;
+        for (int j = 0; j < QB; j++) {
+            float v = fabsf(xb[j]);
+            amax = v > amax ? v : amax;
+        }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < QB; j++) {
+            int v = (int)nearbyintf(xb[j] * id);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            qb[j] = (int8_t)v;
+            sum += v;
+        }
+#endif
+        d[b] = amax / 127.0f;
+        s[b] = d[b] * (float)sum;
+        for (int l = 0; l < 8; l++) c8[b * 8 + l] = -128 * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
+    }
+    for (int p = 0; p < nb / 2; p++)
+        for (int i = 0; i < 16; i++) d16[p * 16 + i] = d[2 * p + (i >> 3)];
+    for (int qd = 0; qd < k / 128; qd++)
+        for (int i = 0; i < 8; i++) s8[qd * 8 + i] = i < 4 ? 0.0f : s[4 * qd + i - 4];
+}
+
+/* ---- the quantized GEMM: y[r, n] (+)= sum_k w[n, k] x[r, k] (+ bias) ------------------------
+ * A micro-tile is up to MR rows x NR columns (one column group); every (row, column)
+ * accumulates in its own register by the same operations whatever the tile's shape, and a
+ * column's sum is reduced the same way in every group, so results never depend on M. */
+
+#if SK_AVX512
+static const int32_t LANES_01[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+static const int32_t LANES_23[16] = {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+
+/* The sums of four accumulators, one per lane of the result. */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m256 y0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 y1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    __m256 y2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    __m256 y3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y0, y1), _mm256_hadd_ps(y2, y3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int n0, const int nc, const act_t *X,
+                                                       int r0, const int rc, float *y, int64_t ldy, int accumulate) {
+    const int k = W->k, nb = k / QB, quads = k / 128, bits = W->bits, qbytes = unit_bytes(bits, 4);
+    const __m512i i01 = _mm512_loadu_si512((const void *)LANES_01), i23 = _mm512_loadu_si512((const void *)LANES_23);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const uint8_t *group = W->data + (int64_t)n0 * W->row_bytes; /* n0 starts a group of nc columns */
+    __m512 acc[MR][NR];
+    const int8_t *xq[MR];
+    const float *xd[MR], *xs[MR];
+    const int32_t *xc[MR];
+    for (int i = 0; i < rc; i++) {
+        xq[i] = act_q(X, r0 + i);
+        xd[i] = act_d16(X, r0 + i);
+        xs[i] = act_s8(X, r0 + i);
+        xc[i] = act_c8(X, r0 + i);
+        for (int j = 0; j < nc; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    for (int qd = 0; qd < quads; qd++) {
+        for (int j = 0; j < nc; j++) {
+            const uint8_t *p = group + ((int64_t)qd * nc + j) * qbytes;
+            __m512i w0, w1;
+            __m512 dm;
+            if (bits == 8) {
+                w0 = _mm512_loadu_si512((const void *)p);
+                w1 = _mm512_loadu_si512((const void *)(p + 64));
+                dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 128))));
+            } else {
+                __m512i raw = _mm512_loadu_si512((const void *)p);
+                w0 = _mm512_and_si512(raw, nib);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 64))));
+            }
+            __m512 dw0 = _mm512_permutexvar_ps(i01, dm), dw1 = _mm512_permutexvar_ps(i23, dm);
+            for (int i = 0; i < rc; i++) {
+                const int8_t *x = xq[i] + qd * 128;
+                __m512i z0 = bits == 8 ? _mm512_loadu_si512((const void *)(xc[i] + qd * 32)) : _mm512_setzero_si512();
+                __m512i z1 = bits == 8 ? _mm512_loadu_si512((const void *)(xc[i] + qd * 32 + 16)) : _mm512_setzero_si512();
+                __m512i d0 = _mm512_dpbusd_epi32(z0, w0, _mm512_loadu_si512((const void *)x));
+                __m512i d1 = _mm512_dpbusd_epi32(z1, w1, _mm512_loadu_si512((const void *)(x + 64)));
+                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(dw0, _mm512_loadu_ps(xd[i] + qd * 32)),
+                                           acc[i][j]);
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(dw1, _mm512_loadu_ps(xd[i] + qd * 32 + 16)), a);
+                if (bits == 4) /* lanes 4..7: m_b * s_b */
+                    a = _mm512_mask3_fmadd_ps(dm, _mm512_castps256_ps512(_mm256_loadu_ps(xs[i] + qd * 8)), a, 0x00F0);
+                acc[i][j] = a;
+            }
+        }
+    }
+    const int rem = k % 128 / QB;
+    if (rem >= 2) { /* a pair of blocks: lanes 0-7 and 8-15 */
+        const int b0 = quads * 4;
+        const uint8_t *base = group + (int64_t)quads * nc * qbytes;
+        for (int j = 0; j < nc; j++) {
+            const uint8_t *p = base + (int64_t)j * unit_bytes(bits, 2);
+            __m512i w;
+            __m512 dm;
+            if (bits == 8) {
+                w = _mm512_loadu_si512((const void *)p);
+                uint32_t two;
+                memcpy(&two, p + 64, 4);
+                dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two)));
+            } else {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)p), m4 = _mm256_set1_epi8(0x0F);
+                w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
+                                       _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
+                dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 32))));
+            }
+            __m512 dw = _mm512_permutexvar_ps(i01, dm);
+            for (int i = 0; i < rc; i++) {
+                __m512i z = bits == 8 ? _mm512_loadu_si512((const void *)(xc[i] + b0 * 8)) : _mm512_setzero_si512();
+                __m512i dot = _mm512_dpbusd_epi32(z, w, _mm512_loadu_si512((const void *)(xq[i] + b0 * QB)));
+                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[i] + b0 * 8)),
+                                           acc[i][j]);
+                if (bits == 4) { /* lanes 2, 3: m_b * s_b */
+                    const float *sb = act_s(X, r0 + i) + b0;
+                    __m128 s2 = _mm_movelh_ps(_mm_setzero_ps(), _mm_castpd_ps(_mm_load_sd((const double *)sb)));
+                    a = _mm512_mask3_fmadd_ps(dm, _mm512_castps128_ps512(s2), a, 0x000C);
+                }
+                acc[i][j] = a;
+            }
+        }
+    }
+    if (rem & 1) { /* a last single block, in the low 8 lanes */
+        const int b = nb - 1;
+        const uint8_t *base = group + (int64_t)quads * nc * qbytes + (int64_t)(rem >= 2) * nc * unit_bytes(bits, 2);
+        for (int j = 0; j < nc; j++) {
+            const uint8_t *p = base + (int64_t)j * unit_bytes(bits, 1);
+            __m256i wb;
+            float dwb, mwb = 0.0f;
+            uint16_t h[2];
+            if (bits == 8) {
+                wb = _mm256_loadu_si256((const __m256i *)p);
+                memcpy(h, p + 32, 2);
+            } else {
+                __m128i raw = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
+                wb = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(raw, m4)),
+                                             _mm_and_si128(_mm_srli_epi16(raw, 4), m4), 1);
+                memcpy(h, p + 16, 4);
+                mwb = h2f(h[1]);
+            }
+            dwb = h2f(h[0]);
+            for (int i = 0; i < rc; i++) {
+                __m512i z = bits == 8 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xc[i] + b * 8)))
+                                      : _mm512_setzero_si512();
+                __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[i] + b * QB)));
+                __m512i dot = _mm512_dpbusd_epi32(z, _mm512_zextsi256_si512(wb), xv);
+                __m512 sc = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(dwb * act_d(X, r0 + i)[b]));
+                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[i][j]);
+                if (bits == 4) a = _mm512_mask_add_ps(a, 0x0100, a, _mm512_set1_ps(mwb * act_s(X, r0 + i)[b]));
+                acc[i][j] = a;
+            }
+        }
+    }
+    float bias[NR] = {0};
+    for (int j = 0; j < nc; j++) bias[j] = W->bias ? W->bias[n0 + j] : 0.0f;
+    for (int i = 0; i < rc; i++) {
+        __m512 zero = _mm512_setzero_ps();
+        float v[4];
+        _mm_storeu_ps(v, reduce4(acc[i][0], nc > 1 ? acc[i][1] : zero, nc > 2 ? acc[i][2] : zero,
+                                 nc > 3 ? acc[i][3] : zero));
+        float *out = y + (int64_t)(r0 + i) * ldy + n0;
+        for (int j = 0; j < nc; j++) out[j] = accumulate ? out[j] + (v[j] + bias[j]) : v[j] + bias[j];
+    }
+}
+#else
+static inline void tile(const sk_qmat *W, int n0, const int nc, const act_t *X, int r0, const int rc, float *y,
+                        int64_t ldy, int accumulate) {
+    const int k = W->k, nb = k / QB, bits = W->bits;
+    const uint8_t *group = W->data + (int64_t)n0 * W->row_bytes;
+    for (int j = 0; j < nc; j++) {
+        float bias = W->bias ? W->bias[n0 + j] : 0.0f;
+        for (int i = 0; i < rc; i++) {
+            const int8_t *xq = act_q(X, r0 + i);
+            const float *xd = act_d(X, r0 + i), *xs = act_s(X, r0 + i);
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                int blocks, index, isum = 0;
+                const uint8_t *u = unit_of(group, nc, j, k, bits, b, &blocks, &index);
+                const int8_t *xb = xq + b * QB;
+                int width = blocks * QB;
+                const uint8_t *sc = u + (bits == 8 ? width : width / 2);
+                uint16_t dh, mh = 0;
+                memcpy(&dh, sc + 2 * index, 2);
+                if (bits == 4) memcpy(&mh, sc + 2 * blocks + 2 * index, 2);
+                for (int t = 0; t < QB; t++) {
+                    int wi = index * QB + t, code;
+                    if (bits == 8) code = u[wi] - 128;
+                    else code = wi < width / 2 ? (u[wi] & 15) : (u[wi - width / 2] >> 4);
+                    isum += code * xb[t];
+                }
+                acc += (float)isum * (h2f(dh) * xd[b]);
+                if (bits == 4) acc += h2f(mh) * xs[b];
+            }
+            float v = acc + bias;
+            float *out = y + (int64_t)(r0 + i) * ldy + n0 + j;
+            *out = accumulate ? *out + v : v;
+        }
+    }
+}
+#endif
+
+/* Every tile shape gets its own copy of `tile` with constant bounds (registers, unrolled). */
+static void tile_any(const sk_qmat *W, int n0, int nc, const act_t *X, int r0, int rc, float *y, int64_t ldy,
+                     int accumulate) {
+#define T(R, C) case (R) * 8 + (C): tile(W, n0, C, X, r0, R, y, ldy, accumulate); return;
+    switch (rc * 8 + nc) {
+        T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(2, 1) T(2, 2) T(2, 3) T(2, 4)
+        T(3, 1) T(3, 2) T(3, 3) T(3, 4) T(4, 1) T(4, 2) T(4, 3) T(4, 4)
+    }
+#undef T
+}
+
+#define ROW_BLOCK 64 /* rows kept hot while a thread's columns pass over them */
+
+static void gemm_cols(const sk_qmat *W, int n0, int n1, const act_t *X, int rows, float *y, int64_t ldy,
+                      int accumulate) {
+    for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
+        int re = rb + ROW_BLOCK < rows ? rb + ROW_BLOCK : rows;
+        for (int n = n0; n < n1; n += NR) {
+            int nc = n1 - n < NR ? n1 - n : NR;
+            for (int r = rb; r < re; r += MR) tile_any(W, n, nc, X, r, re - r < MR ? re - r : MR, y, ldy, accumulate);
+        }
+    }
+}
+
+static void gemm_part(const sk_qmat *W, const act_t *X, int rows, float *y, int64_t ldy, int accumulate, int tid,
+                      int nth) {
+    int tiles = (W->n + NR - 1) / NR, lo, hi; /* columns in whole tiles, split evenly */
+    split(tiles, tid, nth, &lo, &hi);
+    int n0 = lo * NR, n1 = hi * NR < W->n ? hi * NR : W->n;
+    if (n0 < n1) gemm_cols(W, n0, n1, X, rows, y, ldy, accumulate);
+}
+
+/* ---- buffers -------------------------------------------------------------------------------- */
+
+static void *grow(void **buf, size_t *cap, size_t need) {
+    if (need > *cap) {
+        free(*buf);
+        size_t size = round_up(need);
+        *buf = aligned_alloc(ALIGN, size);
+        *cap = *buf ? size : 0;
+    }
+    return *buf;
+}
+
+static int act_alloc(act_t *a, int k, int rows, void **buf, size_t *cap) {
+    char *base = grow(buf, cap, act_bytes(k, rows));
+    if (!base) return -1;
+    act_place(a, k, rows, base);
+    return 0;
+}
+
+/* A standalone linear layer (the output head, a layer the HF model runs): y = x W^T (+ b). */
+typedef struct {
+    const sk_qmat *W;
+    const float *x;
+    int rows;
+    int64_t ldx, ldy;
+    float *y;
+    act_t act;
+} linear_job;
+
+static void linear_run(void *ctx, int tid, int nth) {
+    linear_job *j = ctx;
+    int lo, hi;
+    split(j->rows, tid, nth, &lo, &hi);
+    for (int r = lo; r < hi; r++) quantize_row(j->x + r * j->ldx, &j->act, r);
+    barrier(nth);
+    gemm_part(j->W, &j->act, j->rows, j->y, j->ldy, 0, tid, nth);
+}
+
+static void *linear_buf;
+static size_t linear_cap;
+
+int sk_linear(const sk_qmat *W, const float *x, int rows, int64_t ldx, float *y, int64_t ldy) {
+    if (W->k % QB) return -2;
+    linear_job j = {.W = W, .x = x, .rows = rows, .ldx = ldx, .ldy = ldy, .y = y};
+    if (act_alloc(&j.act, W->k, rows, &linear_buf, &linear_cap)) return -1;
+    run_job(linear_run, &j);
+    return 0;
+}
+
+/* ---- vector helpers ---------------------------------------------------------------------- */
+
+#if SK_AVX512
+/* exp for x <= 0 (softmax): 2^n * p(r), r in [-ln2/2, ln2/2], degree-6 polynomial (~1 ulp). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+static inline float exp_scalar(float x) {
+#if SK_AVX512
+    return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x)));
+#else
+    return expf(x);
+#endif
+}
+
+static void rmsnorm(const float *x, const float *w, int n, float eps, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+/* ---- attention --------------------------------------------------------------------------- */
+
+/* A key/value range of a cache: addresses of layer 0, kv head 0, the range's first slot. */
+typedef struct {
+    uint64_t k, v;
+    int64_t layer_stride, head_stride; /* elements */
+    int32_t len, pad;
+} sk_range;
+
+typedef struct {
+    int32_t row0, n;    /* its rows in the packed step */
+    int32_t start;      /* own keys cached before its new ones */
+    int32_t group;      /* its read-only ranges: an index into groups, or -1 */
+    sk_range own;       /* its own cache; the new K/V go to own slots start .. start + n - 1 */
+} sk_seq;
+
+typedef struct {
+    int32_t range0, nranges;
+} sk_group;
+
+typedef struct {
+    int32_t nseqs, ngroups;
+    const sk_seq *seqs;
+    const sk_group *groups;
+    const sk_range *ranges;
+    const float *cos, *sin; /* [rows, head_dim] */
+} sk_plan;
+
+/* Merge a partial (m2, l2, a2) into a running state (m, l, acc): the one operation that
+ * combines key chunks, always applied in the same order for a row. */
+static inline void merge_into(float *m, float *l, float *acc, float m2, float l2, const float *a2, int dim) {
+    if (l2 == 0.0f) return;
+    if (*l == 0.0f) {
+        *m = m2;
+        *l = l2;
+        memcpy(acc, a2, (size_t)dim * 4);
+        return;
+    }
+    float mx = m2 > *m ? m2 : *m;
+    float c1 = exp_scalar(*m - mx), c2 = exp_scalar(m2 - mx);
+    *l = *l * c1 + l2 * c2;
+    *m = mx;
+#if SK_AVX512
+    if ((dim & 15) == 0) {
+        __m512 v1 = _mm512_set1_ps(c1), v2 = _mm512_set1_ps(c2);
+        for (int d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(a2 + d), v2,
+                                                      _mm512_mul_ps(_mm512_loadu_ps(acc + d), v1)));
+        return;
+    }
+#endif
+    for (int d = 0; d < dim; d++) acc[d] = acc[d] * c1 + a2[d] * c2;
+}
+
+/* Load `count` keys (or values) of one head, fp16 or fp32, as fp32 rows. */
+static void load_rows(const void *src, int fp16, int64_t first, int count, int dim, float *out) {
+    if (!fp16) {
+        memcpy(out, (const float *)src + first * dim, (size_t)count * dim * 4);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src + first * dim;
+    int64_t total = (int64_t)count * dim, i = 0;
+#if SK_AVX512
+    for (; i + 16 <= total; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#endif
+    for (; i < total; i++) out[i] = h2f(h[i]);
+}
+
+/* Scores of `nq` query vectors against `count` keys (rows of `kf`), into s[q * CHUNK + j]. */
+static void scores(const float *const *qs, int nq, const float *kf, int count, int dim, float *s) {
+#if SK_AVX512
+    if (dim == 64) {
+        for (int q = 0; q < nq; q++) {
+            const float *qv = qs[q];
+            __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
+                   q3 = _mm512_loadu_ps(qv + 48);
+            float *sq = s + q * CHUNK;
+            int j = 0;
+            for (; j + 4 <= count; j += 4) {
+                __m512 t[4];
+                for (int u = 0; u < 4; u++) {
+                    const float *kv = kf + (int64_t)(j + u) * 64;
+                    __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kv));
+                    a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kv + 16), a);
+                    a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kv + 32), a);
+                    t[u] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kv + 48), a);
+                }
+                for (int u = 0; u < 4; u++) sq[j + u] = _mm512_reduce_add_ps(t[u]);
+            }
+            for (; j < count; j++) {
+                const float *kv = kf + (int64_t)j * 64;
+                __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kv));
+                a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kv + 16), a);
+                a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kv + 32), a);
+                a = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kv + 48), a);
+                sq[j] = _mm512_reduce_add_ps(a);
+            }
+        }
+        return;
+    }
+    if ((dim & 15) == 0) {
+        for (int q = 0; q < nq; q++)
+            for (int j = 0; j < count; j++) {
+                const float *kv = kf + (int64_t)j * dim;
+                __m512 a = _mm512_setzero_ps();
+                for (int d = 0; d < dim; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[q] + d), _mm512_loadu_ps(kv + d), a);
+                s[q * CHUNK + j] = _mm512_reduce_add_ps(a);
+            }
+        return;
+    }
+#endif
+    for (int q = 0; q < nq; q++)
+        for (int j = 0; j < count; j++) {
+            const float *kv = kf + (int64_t)j * dim;
+            float a = 0.0f;
+            for (int d = 0; d < dim; d++) a += qs[q][d] * kv[d];
+            s[q * CHUNK + j] = a;
+        }
+}
+
+/* Softmax pieces of one query over its first `visible` scores of a chunk; acc = sum p v. */
+static void chunk_softmax(float *sq, int visible, const float *vf, int dim, float *m_out, float *l_out, float *acc) {
+    float mx = -INFINITY;
+    for (int j = 0; j < visible; j++) mx = sq[j] > mx ? sq[j] : mx;
+    float l = 0.0f;
+    int j = 0;
+#if SK_AVX512
+    __m512 vm = _mm512_set1_ps(mx), vl = _mm512_setzero_ps();
+    for (; j + 16 <= visible; j += 16) {
+        __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sq + j), vm));
+        _mm512_storeu_ps(sq + j, p);
+        vl = _mm512_add_ps(vl, p);
+    }
+    if (j < visible) {
+        __mmask16 mk = (__mmask16)((1u << (visible - j)) - 1);
+        __m512 p = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sq + j), vm)));
+        _mm512_mask_storeu_ps(sq + j, mk, p);
+        vl = _mm512_add_ps(vl, p);
+        j = visible;
+    }
+    l = _mm512_reduce_add_ps(vl);
+    if ((dim & 15) == 0 && dim <= 256) {
+        __m512 a[16];
+        int nv = dim / 16;
+        for (int u = 0; u < nv; u++) a[u] = _mm512_setzero_ps();
+        for (int t = 0; t < visible; t++) {
+            __m512 p = _mm512_set1_ps(sq[t]);
+            const float *vv = vf + (int64_t)t * dim;
+            for (int u = 0; u < nv; u++) a[u] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vv + 16 * u), a[u]);
+        }
+        for (int u = 0; u < nv; u++) _mm512_storeu_ps(acc + 16 * u, a[u]);
+        *m_out = mx;
+        *l_out = l;
+        return;
+    }
+#else
+    for (; j < visible; j++) {
+        sq[j] = expf(sq[j] - mx);
+        l += sq[j];
+    }
+#endif
+    for (int d = 0; d < dim; d++) acc[d] = 0.0f;
+    for (int t = 0; t < visible; t++)
+        for (int d = 0; d < dim; d++) acc[d] += sq[t] * vf[(int64_t)t * dim + d];
+    *m_out = mx;
+    *l_out = l;
+}
+
+/* ---- the model -------------------------------------------------------------------------- */
+
+typedef struct {
+    sk_qmat qkv, o, gate_up, down;
+    const float *in_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;     /* [head_dim] per-head norms (Qwen3), or NULL */
+} sk_layer;
+
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, inter, kv_fp16, pad;
+    float eps, scale;
+    const sk_layer *layer;
+    const float *final_norm;
+} sk_model;
+
+/* Attention work. Kind A (partials, stored): a group's read-only range chunk for some of the
+ * group's rows, or a short sequence's own chunk for all its rows. Kind B (final, per kv head):
+ * rows of one sequence merge their stored partials in order, computing the own chunks of a
+ * longer sequence on the way, and write their output. */
+enum { A_GROUP = 0, A_OWN = 1 };
+
+typedef struct {
+    int32_t kind, idx, range, chunk, head, first, count;
+} task_t;
+
+#define GROUP_ROWS 32 /* rows of a group per kind-A task */
+#define MAX_Q 1024   /* query vectors per attention task, at most (GROUP_ROWS x heads per kv head) */
+
+typedef struct {
+    const sk_model *M;
+    const sk_plan *plan;
+    int rows, nth_max, qmax;
+    float *h, *out;
+    float *norm, *qkv, *attn, *gu;
+    act_t act_h, act_a, act_i;
+    float *parts;            /* [slot total][heads][dim + 2]: m, l, acc */
+    int32_t *row_slot0, *row_seq;
+    int32_t *seq_group_slots;  /* per sequence: slots of its group's ranges (own chunks follow) */
+    int32_t *group_rows, *group_row0, *group_nrows;
+    int32_t *range_slot;       /* per range: slot of its first chunk within its group */
+    task_t *tasks_a, *tasks_b;
+    int ntasks_a, ntasks_b;
+    atomic_int *next;          /* per layer: kind A and kind B counters */
+    float *scratch;
+    size_t scratch_floats;
+} fwd_t;
+
+static inline int chunks_of(int len) { return len <= 0 ? 0 : (len + CHUNK - 1) / CHUNK; }
+static inline int is_split(const sk_seq *s) { return s->n <= SPLIT_ROWS; }
+
+static inline float *part_at(const fwd_t *F, int row, int slot, int head) {
+    const sk_model *M = F->M;
+    return F->parts + (((int64_t)F->row_slot0[row] + slot) * M->heads + head) * (M->head_dim + 2);
+}
+
+static inline const char *range_base(const sk_range *r, int layer, int head, int fp16, int value) {
+    int64_t off = (int64_t)layer * r->layer_stride + (int64_t)head * r->head_stride;
+    return (const char *)(uintptr_t)(value ? r->v : r->k) + off * (fp16 ? 2 : 4);
+}
+
+static inline int qkv_width(const sk_model *M) { return (M->heads + 2 * M->kv_heads) * M->head_dim; }
+
+static inline float *q_vec(const fwd_t *F, int row, int head) {
+    return F->qkv + (int64_t)row * qkv_width(F->M) + (int64_t)head * F->M->head_dim;
+}
+
+typedef struct {
+    float *kf, *vf, *s, *tmp, *state;
+    const float **qs;
+    int *lim;
+    float **dst;
+} scratch_t;
+
+static scratch_t scratch_for(const fwd_t *F, int tid) {
+    int dim = F->M->head_dim, q = F->qmax;
+    float *base = F->scratch + (size_t)tid * F->scratch_floats;
+    scratch_t t;
+    t.kf = base;
+    t.vf = t.kf + CHUNK * dim;
+    t.s = t.vf + CHUNK * dim;
+    t.tmp = t.s + (size_t)q * CHUNK;
+    t.state = t.tmp + (size_t)q * (dim + 2);
+    t.qs = (const float **)(t.state + (size_t)q * (dim + 2));
+    t.lim = (int *)(t.qs + q);
+    t.dst = (float **)(t.lim + q + (q & 1));
+    return t;
+}
+
+#if SK_AVX512
+/* chunk_parts for head_dim 64 and an fp16 cache: keys and values are read once, straight from
+ * the cache; each converted key serves every query; scores are reduced four keys at a time. */
+#define PV_GROUP 6
+/* acc[q] = sum_j p[q][j] v_j over `most` values of one head (fp16 rows of 64), into dst[q] + 2. */
+static inline __attribute__((always_inline)) void pv(const float *p, float *const *dst, const int gn,
+                                                     const uint16_t *V, int most) {
+    __m512 acc[PV_GROUP][4];
+    for (int q = 0; q < gn; q++)
+        for (int c = 0; c < 4; c++) acc[q][c] = _mm512_setzero_ps();
+    for (int j = 0; j < most; j++) {
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(V + (int64_t)j * 64 + 16 * c)));
+        for (int q = 0; q < gn; q++) {
+            __m512 pj = _mm512_set1_ps(p[(size_t)q * CHUNK + j]);
+            for (int c = 0; c < 4; c++) acc[q][c] = _mm512_fmadd_ps(pj, v[c], acc[q][c]);
+        }
+    }
+    for (int q = 0; q < gn; q++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst[q] + 2 + 16 * c, acc[q][c]);
+}
+
+static void pv_any(const float *p, float *const *dst, int gn, const uint16_t *V, int most) {
+    switch (gn) { /* a copy per group size: the accumulators stay in registers */
+    case 1: pv(p, dst, 1, V, most); break;
+    case 2: pv(p, dst, 2, V, most); break;
+    case 3: pv(p, dst, 3, V, most); break;
+    case 4: pv(p, dst, 4, V, most); break;
+    case 5: pv(p, dst, 5, V, most); break;
+    default: pv(p, dst, 6, V, most); break;
+    }
+}
+
+static void chunk_parts_h64(scratch_t *t, int nq, const uint16_t *K, const uint16_t *V, int c0, int count) {
+    int vis[MAX_Q], most = 0;
+    for (int q = 0; q < nq; q++) {
+        int v = t->lim[q] - c0;
+        vis[q] = v < 0 ? 0 : (v > count ? count : v);
+        most = vis[q] > most ? vis[q] : most;
+    }
+    float *s = t->s;
+    for (int j = 0; j < most; j += 4) {
+        __m512 k[4][4];
+        for (int u = 0; u < 4; u++)
+            for (int p = 0; p < 4; p++)
+                k[u][p] = j + u < most ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(K + (int64_t)(j + u) * 64 + 16 * p)))
+                                       : _mm512_setzero_ps();
+        for (int q = 0; q < nq; q++) {
+            const float *qv = t->qs[q];
+            __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
+                   q3 = _mm512_loadu_ps(qv + 48), a[4];
+            for (int u = 0; u < 4; u++) {
+                __m512 x = _mm512_mul_ps(q0, k[u][0]);
+                x = _mm512_fmadd_ps(q1, k[u][1], x);
+                x = _mm512_fmadd_ps(q2, k[u][2], x);
+                a[u] = _mm512_fmadd_ps(q3, k[u][3], x);
+            }
+            _mm_storeu_ps(s + (size_t)q * CHUNK + j, reduce4(a[0], a[1], a[2], a[3]));
+        }
+    }
+    for (int q = 0; q < nq; q++) { /* softmax pieces; scores past a query's last visible key become 0 */
+        float *sq = s + (size_t)q * CHUNK, *d = t->dst[q];
+        if (vis[q] == 0) {
+            d[0] = -INFINITY;
+            d[1] = 0.0f;
+            for (int j = 0; j < most; j++) sq[j] = 0.0f;
+            continue;
+        }
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        int j = 0;
+        for (; j + 16 <= vis[q]; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sq + j));
+        __mmask16 tail = (__mmask16)((1u << (vis[q] - j)) - 1);
+        vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, sq + j));
+        float mx = _mm512_reduce_max_ps(vm);
+        __m512 m = _mm512_set1_ps(mx), l = _mm512_setzero_ps();
+        for (j = 0; j < most; j += 16) {
+            int left = vis[q] - j;
+            __mmask16 mk = left >= 16 ? 0xFFFF : (left <= 0 ? 0 : (__mmask16)((1u << left) - 1));
+            __mmask16 room = most - j >= 16 ? 0xFFFF : (__mmask16)((1u << (most - j)) - 1);
+            __m512 p = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sq + j), m)));
+            _mm512_mask_storeu_ps(sq + j, room, p);
+            l = _mm512_add_ps(l, p);
+        }
+        d[0] = mx;
+        d[1] = _mm512_reduce_add_ps(l);
+    }
+    for (int g = 0; g < nq; g += PV_GROUP) { /* acc = sum_j p_j v_j, each value converted once per group */
+        int gn = nq - g < PV_GROUP ? nq - g : PV_GROUP;
+        pv_any(s + (size_t)g * CHUNK, t->dst + g, gn, V, most);
+    }
+}
+#endif
+
+/* Partials of `nq` query vectors over keys [c0, c0 + count) of one head of a range; query q
+ * sees keys below lim[q]. */
+static void chunk_parts(const fwd_t *F, scratch_t *t, int nq, const char *kb, const char *vb, int c0, int count) {
+    const sk_model *M = F->M;
+    int dim = M->head_dim;
+#if SK_AVX512
+    if (dim == 64 && M->kv_fp16) {
+        chunk_parts_h64(t, nq, (const uint16_t *)kb + (int64_t)c0 * 64, (const uint16_t *)vb + (int64_t)c0 * 64, c0, count);
+        return;
+    }
+#endif
+    load_rows(kb, M->kv_fp16, c0, count, dim, t->kf);
+    load_rows(vb, M->kv_fp16, c0, count, dim, t->vf);
+    scores(t->qs, nq, t->kf, count, dim, t->s);
+    for (int q = 0; q < nq; q++) {
+        int visible = t->lim[q] - c0;
+        visible = visible > count ? count : visible;
+        float *d = t->dst[q];
+        if (visible <= 0) {
+            d[0] = -INFINITY;
+            d[1] = 0.0f;
+            continue;
+        }
+        chunk_softmax(t->s + (size_t)q * CHUNK, visible, t->vf, dim, &d[0], &d[1], d + 2);
+    }
+}
+
+static void run_a(const fwd_t *F, const task_t *k, int layer, scratch_t *t) {
+    const sk_model *M = F->M;
+    const sk_plan *P = F->plan;
+    int G = M->heads / M->kv_heads, nq = 0, len;
+    const sk_range *r;
+    if (k->kind == A_GROUP) {
+        const sk_group *g = &P->groups[k->idx];
+        r = &P->ranges[g->range0 + k->range];
+        len = r->len;
+        int slot = F->range_slot[g->range0 + k->range] + k->chunk;
+        for (int i = k->first; i < k->first + k->count; i++) {
+            int row = F->group_rows[F->group_row0[k->idx] + i];
+            for (int e = 0; e < G; e++) {
+                int head = k->head * G + e;
+                t->qs[nq] = q_vec(F, row, head);
+                t->lim[nq] = len;
+                t->dst[nq++] = part_at(F, row, slot, head);
+            }
+        }
+    } else {
+        const sk_seq *s = &P->seqs[k->idx];
+        r = &s->own;
+        len = s->start + s->n;
+        for (int i = 0; i < s->n; i++) {
+            int row = s->row0 + i;
+            for (int e = 0; e < G; e++) {
+                int head = k->head * G + e;
+                t->qs[nq] = q_vec(F, row, head);
+                t->lim[nq] = s->start + i + 1;
+                t->dst[nq++] = part_at(F, row, F->seq_group_slots[k->idx] + k->chunk, head);
+            }
+        }
+    }
+    int c0 = k->chunk * CHUNK, count = len - c0 < CHUNK ? len - c0 : CHUNK;
+    chunk_parts(F, t, nq, range_base(r, layer, k->head, M->kv_fp16, 0), range_base(r, layer, k->head, M->kv_fp16, 1),
+                c0, count);
+}
+
+static void run_b(const fwd_t *F, const task_t *k, int layer, scratch_t *t) {
+    const sk_model *M = F->M;
+    const sk_seq *s = &F->plan->seqs[k->idx];
+    int G = M->heads / M->kv_heads, dim = M->head_dim, nq = k->count * G, stride = dim + 2;
+    int gslots = F->seq_group_slots[k->idx], own = chunks_of(s->start + s->n);
+    for (int q = 0; q < nq; q++) {
+        float *st = t->state + (size_t)q * stride;
+        st[0] = -INFINITY;
+        st[1] = 0.0f;
+        int row = s->row0 + k->first + q / G, head = k->head * G + q % G;
+        for (int slot = 0; slot < gslots + (is_split(s) ? own : 0); slot++) {
+            const float *p = part_at(F, row, slot, head);
+            merge_into(&st[0], &st[1], st + 2, p[0], p[1], p + 2, dim);
+        }
+    }
+    if (!is_split(s)) {
+        int last = s->start + k->first + k->count; /* keys the tile's last row sees */
+        for (int q = 0; q < nq; q++) {
+            int i = k->first + q / G;
+            t->qs[q] = q_vec(F, s->row0 + i, k->head * G + q % G);
+            t->lim[q] = s->start + i + 1;
+            t->dst[q] = t->tmp + (size_t)q * stride;
+        }
+        const char *kb = range_base(&s->own, layer, k->head, M->kv_fp16, 0);
+        const char *vb = range_base(&s->own, layer, k->head, M->kv_fp16, 1);
+        for (int c = 0; c < chunks_of(last); c++) {
+            int c0 = c * CHUNK, count = last - c0 < CHUNK ? last - c0 : CHUNK;
+            chunk_parts(F, t, nq, kb, vb, c0, count);
+            for (int q = 0; q < nq; q++) {
+                float *st = t->state + (size_t)q * stride, *p = t->dst[q];
+                merge_into(&st[0], &st[1], st + 2, p[0], p[1], p + 2, dim);
+            }
+        }
+    }
+    for (int q = 0; q < nq; q++) {
+        const float *st = t->state + (size_t)q * stride;
+        int row = s->row0 + k->first + q / G, head = k->head * G + q % G;
+        float *o = F->attn + (int64_t)row * M->heads * dim + (int64_t)head * dim;
+        float inv = st[1] > 0.0f ? 1.0f / st[1] : 0.0f;
+        for (int d = 0; d < dim; d++) o[d] = st[2 + d] * inv;
+    }
+}
+
+/* Rotary embedding (rotate-half, as Llama and Qwen), in place on one head vector. */
+static void rope(float *x, const float *cos, const float *sin, int dim) {
+    int half = dim / 2;
+    for (int d = 0; d < half; d++) {
+        float a = x[d], b = x[d + half];
+        x[d] = a * cos[d] - b * sin[d];
+        x[d + half] = b * cos[d + half] + a * sin[d + half];
+    }
+}
+
+static void store_kv(void *dst, int fp16, const float *src, int dim) {
+    if (!fp16) {
+        memcpy(dst, src, (size_t)dim * 4);
+        return;
+    }
+    uint16_t *h = dst;
+    int d = 0;
+#if SK_AVX512
+    for (; d + 16 <= dim; d += 16)
+        _mm256_storeu_si256((__m256i *)(h + d), _mm512_cvtps_ph(_mm512_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; d < dim; d++) h[d] = f2h(src[d]);
+}
+
+/* New rows' queries (norm, rotated, scaled) and keys (norm, rotated) and values, the keys and
+ * values written into each sequence's own cache at their slots. */
+static void prepare_row(const fwd_t *F, int layer, int row) {
+    const sk_model *M = F->M;
+    const sk_layer *L = &M->layer[layer];
+    const sk_plan *P = F->plan;
+    const sk_seq *s = &P->seqs[F->row_seq[row]];
+    int dim = M->head_dim, slot = s->start + (row - s->row0);
+    float *base = F->qkv + (int64_t)row * qkv_width(M);
+    const float *cos = P->cos + (int64_t)row * dim, *sin = P->sin + (int64_t)row * dim;
+    for (int hd = 0; hd < M->heads + M->kv_heads; hd++) {
+        float *x = base + (int64_t)hd * dim;
+        int is_q = hd < M->heads;
+        const float *nw = is_q ? L->q_norm : L->k_norm;
+        if (nw) rmsnorm(x, nw, dim, M->eps, x);
+        rope(x, cos, sin, dim);
+        if (is_q)
+            for (int d = 0; d < dim; d++) x[d] *= M->scale;
+    }
+    int esz = M->kv_fp16 ? 2 : 4;
+    for (int hd = 0; hd < M->kv_heads; hd++) {
+        int64_t off = ((int64_t)layer * s->own.layer_stride + (int64_t)hd * s->own.head_stride + (int64_t)slot * dim) * esz;
+        store_kv((char *)(uintptr_t)s->own.k + off, M->kv_fp16, base + (int64_t)(M->heads + hd) * dim, dim);
+        store_kv((char *)(uintptr_t)s->own.v + off, M->kv_fp16, base + (int64_t)(M->heads + M->kv_heads + hd) * dim, dim);
+    }
+}
+
+/* g[i] = silu(g[i]) * u[i] */
+static void silu_mul(float *g, const float *u, int n) {
+    int i = 0;
+#if SK_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) g[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
+}
+
+static void forward_job(void *ctx, int tid, int nth) {
+    fwd_t *F = ctx;
+    const sk_model *M = F->M;
+    int N = F->rows, lo, hi, hidden = M->hidden, inter = M->inter;
+    split(N, tid, nth, &lo, &hi);
+    scratch_t t = scratch_for(F, tid);
+    for (int layer = 0; layer < M->layers; layer++) {
+        const sk_layer *L = &M->layer[layer];
+        for (int r = lo; r < hi; r++) {
+            rmsnorm(F->h + (int64_t)r * hidden, L->in_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
+            quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
+        }
+        barrier(nth);
+        gemm_part(&L->qkv, &F->act_h, N, F->qkv, qkv_width(M), 0, tid, nth);
+        barrier(nth);
+        for (int r = lo; r < hi; r++) prepare_row(F, layer, r);
+        barrier(nth);
+        atomic_int *next = F->next + 2 * layer;
+        for (int i; (i = atomic_fetch_add(&next[0], 1)) < F->ntasks_a;) run_a(F, &F->tasks_a[i], layer, &t);
+        barrier(nth);
+        for (int i; (i = atomic_fetch_add(&next[1], 1)) < F->ntasks_b;) run_b(F, &F->tasks_b[i], layer, &t);
+        barrier(nth);
+        for (int r = lo; r < hi; r++) quantize_row(F->attn + (int64_t)r * M->heads * M->head_dim, &F->act_a, r);
+        barrier(nth);
+        gemm_part(&L->o, &F->act_a, N, F->h, hidden, 1, tid, nth);
+        barrier(nth);
+        for (int r = lo; r < hi; r++) {
+            rmsnorm(F->h + (int64_t)r * hidden, L->post_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
+            quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
+        }
+        barrier(nth);
+        gemm_part(&L->gate_up, &F->act_h, N, F->gu, 2 * inter, 0, tid, nth);
+        barrier(nth);
+        for (int r = lo; r < hi; r++) {
+            float *g = F->gu + (int64_t)r * 2 * inter, *u = g + inter;
+            silu_mul(g, u, inter);
+            quantize_row(g, &F->act_i, r);
+        }
+        barrier(nth);
+        gemm_part(&L->down, &F->act_i, N, F->h, hidden, 1, tid, nth);
+        barrier(nth);
+    }
+    if (F->out)
+        for (int r = lo; r < hi; r++) rmsnorm(F->h + (int64_t)r * hidden, M->final_norm, hidden, M->eps, F->out + (int64_t)r * hidden);
+}
+
+/* ---- the step's plan: slots, tasks, workspace --------------------------------------------- */
+
+static void *ws_buf;
+static size_t ws_cap;
+
+#define CARVE(ptr, type, count)                                                                                  \
+    do {                                                                                                         \
+        ptr = (type *)(base + off);                                                                              \
+        off += ((size_t)(count) * sizeof(type) + ALIGN - 1) / ALIGN * ALIGN;                                     \
+    } while (0)
+
+static int plan_sizes(const sk_model *M, const sk_plan *P, int rows, int32_t *seq_slots, int32_t *range_slot,
+                      int64_t *slot_total, int *na, int *nb) {
+    int G = M->heads / M->kv_heads;
+    (void)G;
+    int64_t slots = 0;
+    *na = 0;
+    *nb = 0;
+    for (int g = 0; g < P->ngroups; g++) {
+        int acc = 0, members = 0;
+        for (int s = 0; s < P->nseqs; s++)
+            if (P->seqs[s].group == g) members += P->seqs[s].n;
+        for (int r = 0; r < P->groups[g].nranges; r++) {
+            const sk_range *rg = &P->ranges[P->groups[g].range0 + r];
+            range_slot[P->groups[g].range0 + r] = acc;
+            acc += chunks_of(rg->len);
+            *na += chunks_of(rg->len) * M->kv_heads * ((members + GROUP_ROWS - 1) / GROUP_ROWS);
+        }
+    }
+    for (int s = 0; s < P->nseqs; s++) {
+        const sk_seq *q = &P->seqs[s];
+        int gs = 0;
+        if (q->group >= 0) {
+            const sk_group *g = &P->groups[q->group];
+            for (int r = 0; r < g->nranges; r++) gs += chunks_of(P->ranges[g->range0 + r].len);
+        }
+        seq_slots[s] = gs;
+        int own = is_split(q) ? chunks_of(q->start + q->n) : 0;
+        slots += (int64_t)q->n * (gs + own);
+        if (is_split(q)) *na += own * M->kv_heads;
+        *nb += M->kv_heads * ((q->n + ROW_TILE - 1) / ROW_TILE);
+    }
+    (void)rows;
+    *slot_total = slots;
+    return 0;
+}
+
+/* Run every layer for `rows` packed rows. h: [rows, hidden] (updated in place: the residual
+ * stream); out: [rows, hidden] the final-normed hidden states (or NULL). Returns 0, or a
+ * negative number when memory runs out or the plan is inconsistent. */
+int sk_forward(const sk_model *M, const sk_plan *P, int rows, float *h, float *out) {
+    if (rows <= 0 || M->heads % M->kv_heads) return -2;
+    int G = M->heads / M->kv_heads, dim = M->head_dim, nth = POOL.nth;
+    int most = GROUP_ROWS > ROW_TILE ? GROUP_ROWS : ROW_TILE;
+    int qmax = G * (most > SPLIT_ROWS ? most : SPLIT_ROWS);
+    int32_t *seq_slots = malloc(sizeof(int32_t) * (P->nseqs + 1));
+    int nranges = 0;
+    for (int g = 0; g < P->ngroups; g++) {
+        int end = P->groups[g].range0 + P->groups[g].nranges;
+        nranges = end > nranges ? end : nranges;
+    }
+    int32_t *range_slot = malloc(sizeof(int32_t) * (nranges + 1));
+    if (!seq_slots || !range_slot) { free(seq_slots); free(range_slot); return -1; }
+    int64_t slot_total;
+    int na, nb;
+    plan_sizes(M, P, rows, seq_slots, range_slot, &slot_total, &na, &nb);
+
+    fwd_t F = {.M = M, .plan = P, .rows = rows, .h = h, .out = out, .qmax = qmax};
+    int wq = (M->heads + 2 * M->kv_heads) * dim, wa = M->heads * dim;
+    size_t sf = 2 * CHUNK * dim + (size_t)qmax * CHUNK + 2 * (size_t)qmax * (dim + 2) + 5 * (size_t)qmax + 16; /* + pointers, limits */
+    F.scratch_floats = (sf + 15) / 16 * 16;
+    int act_k[3] = {M->hidden, wa, M->inter};
+    size_t need = 0;
+    need += (size_t)rows * M->hidden * 4 + (size_t)rows * wq * 4 + (size_t)rows * wa * 4 + (size_t)rows * 2 * M->inter * 4;
+    for (int i = 0; i < 3; i++) need += act_bytes(act_k[i], rows) + ALIGN;
+    need += (size_t)slot_total * M->heads * (dim + 2) * 4;
+    need += (size_t)rows * 8 + (size_t)P->nseqs * 4 + (size_t)(P->ngroups + 1) * 8 + (size_t)rows * 4;
+    need += (size_t)(na + nb + 2) * sizeof(task_t) + (size_t)M->layers * 2 * sizeof(atomic_int);
+    need += (size_t)nth * F.scratch_floats * 4 + 32 * ALIGN;
+    char *base = grow(&ws_buf, &ws_cap, need);
+    if (!base) { free(seq_slots); free(range_slot); return -1; }
+    size_t off = 0;
+    CARVE(F.norm, float, (size_t)rows * M->hidden);
+    CARVE(F.qkv, float, (size_t)rows * wq);
+    CARVE(F.attn, float, (size_t)rows * wa);
+    CARVE(F.gu, float, (size_t)rows * 2 * M->inter);
+    act_t *acts[3] = {&F.act_h, &F.act_a, &F.act_i};
+    for (int i = 0; i < 3; i++) {
+        act_place(acts[i], act_k[i], rows, base + off);
+        off += round_up(act_bytes(act_k[i], rows));
+    }
+    CARVE(F.parts, float, (size_t)slot_total * M->heads * (dim + 2));
+    CARVE(F.row_slot0, int32_t, rows);
+    CARVE(F.row_seq, int32_t, rows);
+    CARVE(F.group_rows, int32_t, rows);
+    CARVE(F.group_row0, int32_t, P->ngroups + 1);
+    CARVE(F.group_nrows, int32_t, P->ngroups + 1);
+    CARVE(F.tasks_a, task_t, na + 1);
+    CARVE(F.tasks_b, task_t, nb + 1);
+    CARVE(F.next, atomic_int, (size_t)M->layers * 2);
+    CARVE(F.scratch, float, (size_t)nth * F.scratch_floats);
+    F.seq_group_slots = seq_slots;
+    F.range_slot = range_slot;
+
+    /* rows -> sequences, slots; groups' rows */
+    int64_t slot = 0;
+    for (int s = 0; s < P->nseqs; s++) {
+        const sk_seq *q = &P->seqs[s];
+        if (q->row0 < 0 || q->n <= 0 || q->row0 + q->n > rows) { free(seq_slots); free(range_slot); return -3; }
+        int per_row = seq_slots[s] + (is_split(q) ? chunks_of(q->start + q->n) : 0);
+        for (int i = 0; i < q->n; i++) {
+            F.row_seq[q->row0 + i] = s;
+            F.row_slot0[q->row0 + i] = (int32_t)slot;
+            slot += per_row;
+        }
+    }
+    int filled = 0;
+    for (int g = 0; g < P->ngroups; g++) {
+        F.group_row0[g] = filled;
+        for (int s = 0; s < P->nseqs; s++)
+            if (P->seqs[s].group == g)
+                for (int i = 0; i < P->seqs[s].n; i++) F.group_rows[filled++] = P->seqs[s].row0 + i;
+        F.group_nrows[g] = filled - F.group_row0[g];
+    }
+    /* tasks, longest first within each kind (chunks of one range come together) */
+    int ia = 0, ib = 0;
+    for (int g = 0; g < P->ngroups; g++)
+        for (int r = 0; r < P->groups[g].nranges; r++) {
+            int len = P->ranges[P->groups[g].range0 + r].len;
+            for (int c = 0; c < chunks_of(len); c++)
+                for (int hd = 0; hd < M->kv_heads; hd++)
+                    for (int first = 0; first < F.group_nrows[g]; first += GROUP_ROWS) {
+                        int cnt = F.group_nrows[g] - first < GROUP_ROWS ? F.group_nrows[g] - first : GROUP_ROWS;
+                        F.tasks_a[ia++] = (task_t){A_GROUP, g, r, c, hd, first, cnt};
+                    }
+        }
+    for (int s = 0; s < P->nseqs; s++) {
+        const sk_seq *q = &P->seqs[s];
+        if (is_split(q))
+            for (int c = 0; c < chunks_of(q->start + q->n); c++)
+                for (int hd = 0; hd < M->kv_heads; hd++) F.tasks_a[ia++] = (task_t){A_OWN, s, 0, c, hd, 0, q->n};
+        for (int first = 0; first < q->n; first += ROW_TILE)
+            for (int hd = 0; hd < M->kv_heads; hd++) {
+                int cnt = q->n - first < ROW_TILE ? q->n - first : ROW_TILE;
+                F.tasks_b[ib++] = (task_t){0, s, 0, 0, hd, first, cnt};
+            }
+    }
+    F.ntasks_a = ia;
+    F.ntasks_b = ib;
+    for (int i = 0; i < M->layers * 2; i++) atomic_init(&F.next[i], 0);
+    run_job(forward_job, &F);
+    free(seq_slots);
+    free(range_slot);
+    return 0;
+}
