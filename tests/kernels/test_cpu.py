@@ -1,0 +1,258 @@
+"""streamer's C kernels (kernels/cpu/streamer_cpu.c) against torch references.
+
+- The quantized linear layer computes exactly its arithmetic (Q4_1 or Q8_0 weights, int8
+  activations per block of 32), for every shape of tail, and a row's output never depends on
+  the other rows or on the thread count.
+- The decoder stack equals the Hugging Face model running the same linear layers with the
+  torch reference attention (fp32 cache), over every kind of sequence a step holds: plain
+  prefills, decode rows, a pool cache behind a shared prefix, forks over a session's reading
+  (grouped), positions that start elsewhere (dual thinking). With the fp16 cache (the default)
+  it equals a reference whose keys and values are rounded to fp16.
+- Batch invariance: a sequence gets bit for bit the same logits and cache alone or in a step
+  with others, and with one thread or two.
+- The portable C build (no SIMD) agrees with the native one; a missing compiler is a clear error.
+"""
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamer.kernels import cpu as ck
+from streamer.sessions.kvcache import KVCache, KVShape
+from streamer.sessions.models import build_tiny_model
+from streamer.sessions.native import NativeStack, QuantMatrix, quantize, quantize_q4_1, quantize_q8_0
+from streamer.sessions.pool import BlockPool, PagedCache
+from streamer.sessions.runner import ModelRunner, SeqStep
+from streamer.sessions.weights import apply_weights
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason=f"the C kernels do not build here: {ck.unavailable_reason()}")
+
+
+def reference_linear(x: torch.Tensor, bits: int, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' arithmetic in float64: activations quantized per 32 (d = amax / 127, codes
+    round(x * (127 / amax)), as float32 computes them), weights dequantized from their blocks."""
+    n, k = codes.shape
+    w = codes.double().reshape(n, k // 32, 32)
+    w = (w - 128) * d.double()[..., None] if bits == 8 else w * d.double()[..., None] + m.double()[..., None]
+    rows = x.shape[0]
+    g = x.float().reshape(rows, k // 32, 32)
+    amax = g.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv[..., None]).clamp(-127, 127)
+    xq = (q.double() * (amax / 127.0).double()[..., None]).reshape(rows, k)
+    out = xq @ w.reshape(n, k).T
+    return (out if bias is None else out + bias.double()).float()
+
+
+SHAPES = [(48, 64), (96, 576), (100, 96), (20, 160), (36, 224), (40, 32), (6, 1536), (3, 128)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_the_linear_kernel_computes_its_arithmetic(bits, n, k):
+    torch.manual_seed(n * k + bits)
+    w = torch.randn(n, k) * 0.05
+    bias = torch.randn(n) if n % 2 else None
+    if bits == 8:
+        codes, d = quantize_q8_0(w)
+        m = None
+    else:
+        codes, d, m = quantize_q4_1(w)
+    matrix = QuantMatrix.pack(bits, codes, d, m, bias)
+    x = torch.randn(7, k) * 3
+    got = matrix(x)
+    want = reference_linear(x, bits, codes, d, m, bias)
+    assert (got - want).abs().max().item() <= 2e-6 * max(1.0, want.abs().max().item())
+    exact = x @ w.T + (0 if bias is None else bias)
+    assert (got - exact).norm() <= 0.15 * exact.norm()  # and it is the float layer, to 4 or 8 bits
+
+
+def test_a_row_never_depends_on_the_others_or_the_threads():
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(576, 200, bias=False)
+    x = torch.randn(300, 576)
+    lib = ck.load()
+    threads = lib.sk_threads()
+    try:
+        for bits in (4, 8):
+            matrix = quantize([linear], bits)
+            lib.sk_set_threads(2)
+            full = matrix(x)
+            for lo, hi in ((0, 1), (5, 8), (17, 81), (299, 300)):
+                assert torch.equal(matrix(x[lo:hi]), full[lo:hi])
+            lib.sk_set_threads(1)
+            assert torch.equal(matrix(x), full)
+    finally:
+        lib.sk_set_threads(threads)
+
+
+def test_views_of_a_fused_matrix_are_its_rows():
+    torch.manual_seed(4)
+    a, b = torch.nn.Linear(64, 12), torch.nn.Linear(64, 8)
+    fused = quantize([a, b], 4)
+    x = torch.randn(3, 64)
+    both = fused(x)
+    assert torch.equal(fused.rows(0, 12)(x), both[:, :12]) and torch.equal(fused.rows(12, 20)(x), both[:, 12:])
+    with pytest.raises(ValueError, match="whole groups of 4"):
+        fused.rows(2, 12)
+
+
+# ---- the decoder stack ------------------------------------------------------------------------
+
+
+def tiny_runners(tokenizer, kv_dtype, seed=21, **shape):
+    """The same int4 model twice: on the native stack with `kv_dtype`, and through the Hugging
+    Face forward (same C linear layers) with the torch reference attention on an fp32 cache."""
+    lm = build_tiny_model(tokenizer, seed=seed, **shape)
+    info = apply_weights(lm.model, "int4", native=True)
+    native = ModelRunner(lm.model, tokenizer, lm.name, info)
+    native.native = NativeStack(lm.model, kv_dtype)
+    s = native.kv_shape
+    native.kv_shape = KVShape(s.layers, s.kv_heads, s.head_dim, kv_dtype, s.device)
+    ref = ModelRunner(lm.model, tokenizer, lm.name, info)
+    ref.native = None
+    ref.kv_shape = KVShape(s.layers, s.kv_heads, s.head_dim, torch.float32, s.device)
+    return native, ref
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+class World:
+    """Caches for one runner: a pool with a shared system prompt and a session behind it, a
+    private session, and forks over the private session's reading."""
+
+    def __init__(self, runner, prompt: list[int], reading: list[int]) -> None:
+        self.runner = runner
+        self.pool = BlockPool(runner.kv_shape, 64 * runner.kv_shape.bytes_per_token * 16, block_size=16)
+        prefix = self.pool.prefix_for(prompt)
+        runner.forward([SeqStep(prefix, 0, prompt[:prefix.length])], logits="none")
+        prefix.commit(prefix.length)
+        self.paged = PagedCache(self.pool, 4096, prefix)
+        self.private = runner.new_cache(4096)
+        self.step([SeqStep(self.paged, prefix.length, reading[:40]), SeqStep(self.private, 0, reading)])
+        self.forks = [KVCache(runner.kv_shape, 256) for _ in range(3)]
+
+    def step(self, seqs: list[SeqStep], logits: str = "all"):
+        out = self.runner.forward(seqs, logits=logits)
+        for s in seqs:
+            if s.cache.length == s.start:
+                s.cache.commit(s.start + s.n)
+        return out
+
+    def mixed_step(self, reading: list[int]) -> list[SeqStep]:
+        """One step holding every kind of sequence."""
+        prefixes = ((self.private, self.private.length),)
+        return [
+            SeqStep(self.paged, self.paged.length, reading[40:47]),  # a chunk behind a shared prefix
+            SeqStep(self.private, self.private.length, [reading[3]]),  # a decode row
+            SeqStep(self.forks[0], 0, reading[:12], prefixes=prefixes),  # a question, grouped with
+            SeqStep(self.forks[1], 0, [reading[5]], prefixes=prefixes),  # a one-token one
+            SeqStep(self.forks[2], 0, reading[:20], prefixes=prefixes, pos0=4000),  # and one placed elsewhere
+        ]
+
+
+def close_rows(got: torch.Tensor, want: torch.Tensor, share: float = 0.9) -> None:
+    """Rows equal to float rounding, but for a few: where a ~1e-7 difference in the attention's
+    float order moves an activation across an int8 rounding boundary, that row's logits move by
+    one activation quantum (~1e-3). One layer keeps such a flip in its own row."""
+    err = (got - want).abs().amax(dim=1) / max(1.0, want.abs().max().item())
+    assert (err <= 2e-5).float().mean().item() >= share, err
+    assert err.max().item() <= 0.05
+
+
+def test_the_stack_equals_the_model_with_reference_attention(tokenizer):
+    """fp32 cache: only the order of float operations differs from the torch reference."""
+    native, ref = tiny_runners(tokenizer, torch.float32, layers=1)
+    prompt, reading = ids_of(37, 1), ids_of(300, 2)
+    worlds = [World(r, prompt, reading) for r in (native, ref)]
+    for _ in range(2):  # the second step decodes and extends every fork
+        outs = [w.step(w.mixed_step(reading)) for w in worlds]
+        close_rows(torch.cat(outs[0]), torch.cat(outs[1]))
+    for cache in ("paged", "private"):
+        a, b = (getattr(w, cache).snapshot() for w in worlds)
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_a_sequence_reads_the_same_alone_or_batched(tokenizer):
+    """Logits and caches bit for bit: each sequence of a mixed step, run alone on a copy of the
+    world, equals itself in the batch; and one thread equals two."""
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=22, hidden=256, heads=4, kv_heads=2)
+    prompt, reading = ids_of(37, 3), ids_of(300, 4)
+    batched = World(native, prompt, reading)
+    together = batched.step(batched.mixed_step(reading))
+    for i in range(5):
+        alone = World(native, prompt, reading)
+        seqs = alone.mixed_step(reading)
+        (out,) = alone.step([seqs[i]])
+        assert torch.equal(out, together[i]), i
+    lib = ck.load()
+    threads = lib.sk_threads()
+    try:
+        lib.sk_set_threads(1)
+        single = World(native, prompt, reading)
+        for a, b in zip(single.step(single.mixed_step(reading)), together):
+            assert torch.equal(a, b)
+        assert torch.equal(single.private.snapshot(), batched.private.snapshot())
+    finally:
+        lib.sk_set_threads(threads)
+
+
+def _fp16_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    group = query.shape[1] // key.shape[1]
+    k = key.half().float().repeat_interleave(group, 1)
+    v = value.half().float().repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(query, k, v, is_causal=query.shape[2] > 1, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_the_fp16_cache_equals_a_reference_with_fp16_keys_and_values(tokenizer, head_dim):
+    """One layer (so a rounding flip in one row's int8 activations cannot reach the others),
+    head_dim 64 (the SIMD path) and 16 (the generic one)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("streamer_test_fp16kv", _fp16_attention)
+    AttentionMaskInterface.register("streamer_test_fp16kv", lambda *a, **k: None)
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=23, layers=1, hidden=4 * head_dim, heads=4, kv_heads=2)
+    ids = ids_of(600, 5)
+    cache = native.new_cache(1024)
+    got = native.forward([SeqStep(cache, 0, ids)], logits="all")[0]
+    model = native.model
+    model.set_attn_implementation("streamer_test_fp16kv")
+    try:
+        with torch.inference_mode():
+            want = model(torch.tensor([ids])).logits[0].float()
+    finally:
+        model.set_attn_implementation("streamer_cache")
+    close_rows(got, want, 0.95)
+
+
+def test_the_portable_build_agrees_with_the_native_one():
+    try:
+        portable = ck.load(portable=True)
+    except ck.KernelBuildError as exc:
+        pytest.skip(f"no portable build: {exc}")
+    torch.manual_seed(6)
+    for bits in (4, 8):
+        matrix = quantize([torch.nn.Linear(224, 40)], bits)
+        x = torch.randn(5, 224)
+        y = torch.empty(5, 40)
+        assert portable.sk_linear(ctypes.byref(matrix.c), x.data_ptr(), 5, 224, y.data_ptr(), 40) == 0
+        assert (y - matrix(x)).abs().max().item() <= 1e-5 * matrix(x).abs().max().item()
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("STREAMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(ck, "compiler", lambda: None)
+    with pytest.raises(ck.KernelBuildError, match="no C compiler found"):
+        ck.build()
+    monkeypatch.setattr(ck, "compiler", lambda: "false")
+    with pytest.raises(ck.KernelBuildError, match="false failed to compile"):
+        ck.build()
