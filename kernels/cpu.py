@@ -45,7 +45,7 @@ class KernelBuildError(RuntimeError):
 
 class QMat(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32),
-                ("row_bytes", ctypes.c_int64), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("group_bytes", ctypes.c_int64), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -151,11 +151,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     P, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.sk_set_threads.argtypes, lib.sk_set_threads.restype = [i32], i32
     lib.sk_threads.argtypes, lib.sk_threads.restype = [], i32
-    lib.sk_row_bytes.argtypes, lib.sk_row_bytes.restype = [i32, i32], i64
+    lib.sk_group_bytes.argtypes, lib.sk_group_bytes.restype = [i32, i32], i64
+    lib.sk_matrix_bytes.argtypes, lib.sk_matrix_bytes.restype = [i32, i32, i32], i64
     lib.sk_pack.argtypes, lib.sk_pack.restype = [i32, i32, i32, P, P, P, P], None
     lib.sk_linear.argtypes, lib.sk_linear.restype = [ctypes.POINTER(QMat), P, i32, i64, P, i64], i32
     lib.sk_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Plan), i32, P, P]
     lib.sk_forward.restype = i32
+    lib.sk_profile.argtypes, lib.sk_profile.restype = [i32, P], i32
     return lib
 
 
@@ -211,3 +213,21 @@ def _simd_of_native() -> str:
 def set_threads(n: int, lib: ctypes.CDLL | None = None) -> int:
     """Threads the kernels use (the caller's thread included); returns the number in use."""
     return (lib or load()).sk_set_threads(max(1, int(n)))
+
+
+PROFILE_PARTS = ("norm+quantize", "qkv", "rope+kv write", "attention (partials)", "attention (merge, long rows)",
+                 "o", "gate+up", "down", "waiting at barriers", "head")
+
+
+def profile_start(lib: ctypes.CDLL | None = None) -> None:
+    """Start timing the parts of every step (small overhead: two clock reads a phase)."""
+    (lib or load()).sk_profile(1, None)
+
+
+def profile_stop(lib: ctypes.CDLL | None = None) -> dict[str, list[float]]:
+    """Stop timing; seconds per part, per thread, since `profile_start`."""
+    lib = lib or load()
+    out = (ctypes.c_double * (64 * len(PROFILE_PARTS)))()
+    parts = lib.sk_profile(0, out)
+    threads = lib.sk_threads()
+    return {name: [out[t * parts + i] for t in range(threads)] for i, name in enumerate(PROFILE_PARTS)}

@@ -35,13 +35,16 @@ NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class QuantMatrix:
-    """A quantized weight matrix in the C kernels' layout (`sk_pack`): `data` holds the packed
-    groups of columns; `rows(a, b)` is a view of outputs [a, b) (a, b multiples of 4)."""
+    """A quantized weight matrix in the C kernels' layout (`sk_pack`: groups of 16 output
+    columns interleaved block by block); `rows(a, b)` is a view of outputs [a, b) (a and b
+    multiples of 16, or b the last)."""
+
+    COLS = 16
 
     def __init__(self, bits: int, n: int, k: int, data: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bits, self.n, self.k, self.data, self.bias = bits, n, k, data, bias
-        self.row_bytes = k // QB * (34 if bits == 8 else 20)
-        self.c = ck.QMat(bits, n, k, 0, self.row_bytes, data.data_ptr(),
+        self.group_bytes = k // QB * (544 if bits == 8 else 320)
+        self.c = ck.QMat(bits, n, k, 0, self.group_bytes, data.data_ptr(),
                          None if bias is None else bias.data_ptr())
 
     @classmethod
@@ -53,7 +56,7 @@ class QuantMatrix:
         n, k = codes.shape
         if k % QB:
             raise ValueError(f"a quantized matrix needs whole blocks of {QB} inputs, got {k}")
-        data = torch.empty(n * lib.sk_row_bytes(bits, k), dtype=torch.uint8)
+        data = torch.empty(lib.sk_matrix_bytes(bits, n, k), dtype=torch.uint8)
         d16 = d.to(torch.float16).contiguous()
         m16 = (m if m is not None else torch.zeros_like(d)).to(torch.float16).contiguous()
         codes = codes.to(torch.uint8).contiguous()
@@ -63,9 +66,10 @@ class QuantMatrix:
         return cls(bits, n, k, data, bias)
 
     def rows(self, a: int, b: int) -> "QuantMatrix":
-        if a % 4 or (b % 4 and b != self.n):
-            raise ValueError(f"a view of a packed matrix starts and ends at whole groups of 4 outputs: {a}..{b}")
-        data = self.data[a * self.row_bytes:b * self.row_bytes]
+        cols = self.COLS
+        if a % cols or (b % cols and b != self.n):
+            raise ValueError(f"a view of a packed matrix starts and ends at whole groups of {cols} outputs: {a}..{b}")
+        data = self.data[a // cols * self.group_bytes:(b + cols - 1) // cols * self.group_bytes]
         bias = None if self.bias is None else self.bias[a:b]
         return QuantMatrix(self.bits, b - a, self.k, data, bias)
 
@@ -171,8 +175,8 @@ def native_unsupported(model: nn.Module) -> str | None:
             return f"mlp.{name} is not a linear layer"
     heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if head_dim % 4 or heads % kv_heads:
-        return f"head_dim {head_dim} / heads {heads} / kv heads {kv_heads}"
+    if heads % kv_heads or (kv_heads * head_dim) % QuantMatrix.COLS:
+        return f"head_dim {head_dim} x kv heads {kv_heads} not a multiple of {QuantMatrix.COLS} (heads {heads})"
     for size in (cfg.hidden_size, heads * head_dim, cfg.intermediate_size):
         if size % QB:
             return f"a layer width ({size}) that is not a multiple of {QB}"

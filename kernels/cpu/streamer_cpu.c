@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define SK_AVX512 1
@@ -44,7 +45,7 @@
 #endif
 
 #define QB 32           /* weights per quantization block */
-#define CHUNK 256       /* keys per attention chunk (fixed: a row's result never depends on the batch) */
+#define CHUNK 1024      /* keys per attention chunk (fixed: a row's result never depends on the batch) */
 #define SPLIT_ROWS 8    /* sequences with at most this many new rows split their own keys over tasks */
 #define ROW_TILE 16     /* rows per attention task of a longer sequence */
 #define MAX_THREADS 64
@@ -212,109 +213,79 @@ static inline void split(int total, int tid, int nth, int *lo, int *hi) {
 }
 
 /* ---- quantized matrices ------------------------------------------------------------------
- * A row (output n) is a run of units: quads (128 weights, 4 blocks), then a pair (2 blocks)
- * and a single block for what is left (k % 128). 4-bit units hold the codes, then the scales d
- * and the offsets m of their blocks (fp16): a quad is 64 bytes of codes (byte t: weight t in the
- * low nibble, weight 64 + t in the high one) + 8 + 8, a pair 32 bytes (weights t, 32 + t) + 4 +
- * 4, a single block 16 bytes (t, 16 + t) + 2 + 2: Q4_1's 5 bits a weight. 8-bit units hold the
- * codes (q + 128, in order) and the scales: Q8_0's 8.5 bits a weight, no offsets.
- * Columns go in groups of NR (the last may be shorter) interleaved unit by unit, so a tile of
- * the GEMM reads one sequential stream: group g starts at g * NR * row_bytes; in a group of
- * `cols` columns, unit u of column j is at unit_start(u) * cols + j * unit_bytes(u). */
+ * Output columns go in groups of 16 (the last group padded with zero columns), each group a
+ * run of blocks of 32 inputs. In a block, the 16 columns' codes are interleaved so that 32-bit
+ * lane l of a vector holds 4 consecutive codes of column l: one integer multiply-add
+ * (vpdpbusd) against 4 activation codes broadcast to every lane advances all 16 columns, and
+ * each column's sum stays in its own lane (no horizontal reduction; the scales multiply 16
+ * columns at once). A 4-bit block is 256 bytes of codes (byte 4 l + t of chunk c, c < 4: the
+ * code of column l at input 4 c + t in the low nibble, at 16 + 4 c + t in the high one), then
+ * the 16 scales d and the 16 offsets m (fp16): 320 bytes, Q4_1's 5 bits a weight. An 8-bit
+ * block is 512 bytes of codes (chunk c < 8: inputs 4 c .. 4 c + 3; stored q + 128), then 16
+ * scales: Q8_0's 8.5 bits a weight, no offsets. */
 
-#define MR 4 /* GEMM micro-tile: rows */
-#define NR 4 /* and columns (a group of interleaved columns in the packed layout) */
+#define COLS 16 /* columns per group */
+#define MR 4    /* GEMM micro-tile: rows */
 
 typedef struct {
     int32_t bits, n, k, pad;
-    int64_t row_bytes;
+    int64_t group_bytes; /* one group of 16 columns: k / 32 blocks */
     const uint8_t *data;
     const float *bias; /* [n] or NULL */
 } sk_qmat;
 
-static inline int unit_bytes(int bits, int blocks) {
-    return bits == 8 ? blocks * 34 : blocks * 20;
-}
+static inline int block_bytes(int bits) { return bits == 8 ? 512 + 32 : 256 + 64; }
 
-int64_t sk_row_bytes(int bits, int k) { return (int64_t)unit_bytes(bits, k / QB); }
+int64_t sk_group_bytes(int bits, int k) { return (int64_t)(k / QB) * block_bytes(bits); }
 
-/* Where block b of column j lies in its group: the unit's start, the unit's size in blocks
- * and b's index in it. */
-static inline const uint8_t *unit_of(const uint8_t *group, int cols, int j, int k, int bits, int b, int *blocks,
-                                     int *index) {
-    int quads = k / 128, rem = k % 128 / QB;
-    int64_t at;
-    if (b < quads * 4) {
-        *blocks = 4;
-        *index = b % 4;
-        at = ((int64_t)(b / 4) * cols + j) * unit_bytes(bits, 4);
-    } else if (rem >= 2 && b < quads * 4 + 2) {
-        *blocks = 2;
-        *index = b - quads * 4;
-        at = (int64_t)quads * cols * unit_bytes(bits, 4) + (int64_t)j * unit_bytes(bits, 2);
-    } else {
-        *blocks = 1;
-        *index = 0;
-        at = (int64_t)quads * cols * unit_bytes(bits, 4) + (int64_t)(rem >= 2) * cols * unit_bytes(bits, 2) +
-             (int64_t)j * unit_bytes(bits, 1);
-    }
-    return group + at;
-}
+int64_t sk_matrix_bytes(int bits, int n, int k) { return (int64_t)((n + COLS - 1) / COLS) * sk_group_bytes(bits, k); }
 
 /* Pack codes (uint8 [n, k]: 0..15, or q + 128 for 8 bits), scales and offsets (fp16 bits
- * [n, k/32]; offsets ignored for 8 bits) into the layout above. */
+ * [n, k/32]; offsets ignored for 8 bits) into the layout above (sk_matrix_bytes bytes). */
 void sk_pack(int bits, int n, int k, const uint8_t *codes, const uint16_t *d, const uint16_t *m, uint8_t *out) {
-    int nb = k / QB;
-    int64_t rb = sk_row_bytes(bits, k);
-    for (int r = 0; r < n; r++) {
-        int g = r / NR, j = r % NR, cols = n - g * NR < NR ? n - g * NR : NR;
-        const uint8_t *group = out + (int64_t)g * NR * rb, *c = codes + (int64_t)r * k;
-        const uint16_t *dr = d + (int64_t)r * nb, *mr = m + (int64_t)r * nb;
-        for (int b = 0; b < nb;) {
-            int blocks, index;
-            uint8_t *o = (uint8_t *)unit_of(group, cols, j, k, bits, b, &blocks, &index);
-            const uint8_t *cu = c + b * QB;
-            int width = blocks * QB;
-            if (bits == 8) {
-                memcpy(o, cu, (size_t)width);
-            } else {
-                for (int t = 0; t < width / 2; t++) o[t] = (uint8_t)((cu[t] & 15) | ((cu[width / 2 + t] & 15) << 4));
+    int nb = k / QB, groups = (n + COLS - 1) / COLS, bb = block_bytes(bits);
+    memset(out, 0, (size_t)sk_matrix_bytes(bits, n, k));
+    for (int g = 0; g < groups; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *u = out + ((int64_t)g * nb + b) * bb;
+            int cb = bits == 8 ? 512 : 256;
+            for (int l = 0; l < COLS && g * COLS + l < n; l++) {
+                int col = g * COLS + l;
+                const uint8_t *c = codes + (int64_t)col * k + b * QB;
+                for (int j = 0; j < QB; j++) {
+                    if (bits == 8) {
+                        u[(j / 4) * 64 + l * 4 + j % 4] = c[j];
+                    } else {
+                        int chunk = (j % 16) / 4, t = j % 4;
+                        u[chunk * 64 + l * 4 + t] |= (uint8_t)((c[j] & 15) << (j < 16 ? 0 : 4));
+                    }
+                }
+                memcpy(u + cb + 2 * l, d + (int64_t)col * nb + b, 2);
+                if (bits == 4) memcpy(u + cb + 32 + 2 * l, m + (int64_t)col * nb + b, 2);
             }
-            o += bits == 8 ? width : width / 2;
-            memcpy(o, dr + b, (size_t)blocks * 2);
-            if (bits == 4) memcpy(o + blocks * 2, mr + b, (size_t)blocks * 2);
-            b += blocks;
         }
-    }
 }
 
-/* Activations quantized per block of 32 (codes, scale d = amax / 127), with what the kernel
- * multiplies them by, laid out per row:
- *   d16 [nb/2][16]: each pair of blocks' two scales over 8 lanes each;
- *   c8 [nb][8]: -128 * the sum of each 4 consecutive codes (an 8-bit weight is stored as
- *               q + 128; starting each lane of the integer dot product here removes the 128);
- *   s8 [quads][8]: 0, 0, 0, 0 and d * sum(codes) of the quad's 4 blocks (times the offsets);
- *   s [nb]: d * sum(codes) of every block. */
+/* Activations quantized per block of 32: codes (scale d = amax / 127), and per block
+ * s = d * sum(codes) (what a 4-bit block's offset multiplies) and c = -128 * sum(codes) (an
+ * 8-bit weight is stored as q + 128: an integer sum started at c removes the 128). */
 typedef struct {
     int k;
     int8_t *q;
-    float *d, *s, *d16, *s8;
-    int32_t *c8;
+    float *d, *s;
+    int32_t *c;
 } act_t;
 
 static inline int8_t *act_q(const act_t *a, int r) { return a->q + (int64_t)r * a->k; }
 static inline float *act_d(const act_t *a, int r) { return a->d + (int64_t)r * (a->k / QB); }
 static inline float *act_s(const act_t *a, int r) { return a->s + (int64_t)r * (a->k / QB); }
-static inline float *act_d16(const act_t *a, int r) { return a->d16 + (int64_t)r * (a->k / 64) * 16; }
-static inline float *act_s8(const act_t *a, int r) { return a->s8 + (int64_t)r * (a->k / 128) * 8; }
-static inline int32_t *act_c8(const act_t *a, int r) { return a->c8 + (int64_t)r * (a->k / QB) * 8; }
+static inline int32_t *act_c(const act_t *a, int r) { return a->c + (int64_t)r * (a->k / QB); }
 
 static inline size_t round_up(size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
 
 static size_t act_bytes(int k, int rows) {
     size_t nb = (size_t)rows * (k / QB);
-    return round_up((size_t)rows * k) + 2 * round_up(nb * 4) + round_up((size_t)rows * (k / 64) * 64) +
-           round_up((size_t)rows * (k / 128) * 32) + round_up(nb * 32);
+    return round_up((size_t)rows * k) + 3 * round_up(nb * 4);
 }
 
 /* Lay an activation buffer for `rows` rows of width k out at `base` (act_bytes(k, rows) bytes). */
@@ -324,16 +295,14 @@ static void act_place(act_t *a, int k, int rows, char *base) {
     a->q = (int8_t *)(base + off); off += round_up((size_t)rows * k);
     a->d = (float *)(base + off); off += round_up(nb * 4);
     a->s = (float *)(base + off); off += round_up(nb * 4);
-    a->d16 = (float *)(base + off); off += round_up((size_t)rows * (k / 64) * 64);
-    a->s8 = (float *)(base + off); off += round_up((size_t)rows * (k / 128) * 32);
-    a->c8 = (int32_t *)(base + off);
+    a->c = (int32_t *)(base + off);
 }
 
 static void quantize_row(const float *x, const act_t *a, int r) {
     int k = a->k, nb = k / QB;
     int8_t *q = act_q(a, r);
-    float *d = act_d(a, r), *s = act_s(a, r), *d16 = act_d16(a, r), *s8 = act_s8(a, r);
-    int32_t *c8 = act_c8(a, r);
+    float *d = act_d(a, r), *s = act_s(a, r);
+    int32_t *c = act_c(a, r);
     for (int b = 0; b < nb; b++) {
         const float *xb = x + b * QB;
         int8_t *qb = q + b * QB;
@@ -363,224 +332,123 @@ static void quantize_row(const float *x, const act_t *a, int r) {
 #endif
         d[b] = amax / 127.0f;
         s[b] = d[b] * (float)sum;
-        for (int l = 0; l < 8; l++) c8[b * 8 + l] = -128 * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
+        c[b] = -128 * sum;
     }
-    for (int p = 0; p < nb / 2; p++)
-        for (int i = 0; i < 16; i++) d16[p * 16 + i] = d[2 * p + (i >> 3)];
-    for (int qd = 0; qd < k / 128; qd++)
-        for (int i = 0; i < 8; i++) s8[qd * 8 + i] = i < 4 ? 0.0f : s[4 * qd + i - 4];
 }
 
 /* ---- the quantized GEMM: y[r, n] (+)= sum_k w[n, k] x[r, k] (+ bias) ------------------------
- * A micro-tile is up to MR rows x NR columns (one column group); every (row, column)
- * accumulates in its own register by the same operations whatever the tile's shape, and a
- * column's sum is reduced the same way in every group, so results never depend on M. */
+ * A micro-tile is up to MR rows x one group of 16 columns; each (row, column) accumulates in
+ * its own lane by the same operations whatever the tile, so results never depend on M. Per
+ * block: an exact integer sum over its 32 inputs, then acc += float(sum) * (d_w d_x)
+ * (+ m_w s_x for 4 bits). */
 
-#if SK_AVX512
-static const int32_t LANES_01[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
-static const int32_t LANES_23[16] = {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-
-/* The sums of four accumulators, one per lane of the result. */
-static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    __m256 y0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
-    __m256 y1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
-    __m256 y2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
-    __m256 y3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y0, y1), _mm256_hadd_ps(y2, y3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+static inline void store_cols(float *out, const float *v, const float *bias, int ncols, int accumulate) {
+    for (int j = 0; j < ncols; j++) {
+        float x = v[j] + (bias ? bias[j] : 0.0f);
+        out[j] = accumulate ? out[j] + x : x;
+    }
 }
 
-static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int n0, const int nc, const act_t *X,
-                                                       int r0, const int rc, float *y, int64_t ldy, int accumulate) {
-    const int k = W->k, nb = k / QB, quads = k / 128, bits = W->bits, qbytes = unit_bytes(bits, 4);
-    const __m512i i01 = _mm512_loadu_si512((const void *)LANES_01), i23 = _mm512_loadu_si512((const void *)LANES_23);
+#if SK_AVX512
+static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc,
+                                                       float *y, int64_t ldy, int accumulate) {
+    const int nb = W->k / QB, bits = W->bits, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
+    const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const uint8_t *group = W->data + (int64_t)n0 * W->row_bytes; /* n0 starts a group of nc columns */
-    __m512 acc[MR][NR];
-    const int8_t *xq[MR];
-    const float *xd[MR], *xs[MR];
-    const int32_t *xc[MR];
+    __m512 acc[MR];
+    for (int i = 0; i < rc; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *u = base + (int64_t)b * bb;
+        __m512i w[8];
+        if (bits == 8) {
+            for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(u + 64 * c));
+        } else {
+            for (int c = 0; c < 4; c++) {
+                __m512i raw = _mm512_loadu_si512((const void *)(u + 64 * c));
+                w[c] = _mm512_and_si512(raw, nib);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+            }
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(u + cb)));
+        __m512 mw = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(u + cb + 32))) : dw;
+        for (int i = 0; i < rc; i++) {
+            const int32_t *xq = (const int32_t *)(act_q(X, r0 + i) + b * QB);
+            __m512i sum = bits == 8 ? _mm512_set1_epi32(act_c(X, r0 + i)[b]) : _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) sum = _mm512_dpbusd_epi32(sum, w[c], _mm512_set1_epi32(xq[c]));
+            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(act_d(X, r0 + i)[b])),
+                                       acc[i]);
+            if (bits == 4) a = _mm512_fmadd_ps(mw, _mm512_set1_ps(act_s(X, r0 + i)[b]), a);
+            acc[i] = a;
+        }
+    }
+    int ncols = W->n - g * COLS < COLS ? W->n - g * COLS : COLS;
+    const float *bias = W->bias ? W->bias + g * COLS : NULL;
     for (int i = 0; i < rc; i++) {
-        xq[i] = act_q(X, r0 + i);
-        xd[i] = act_d16(X, r0 + i);
-        xs[i] = act_s8(X, r0 + i);
-        xc[i] = act_c8(X, r0 + i);
-        for (int j = 0; j < nc; j++) acc[i][j] = _mm512_setzero_ps();
-    }
-    for (int qd = 0; qd < quads; qd++) {
-        for (int j = 0; j < nc; j++) {
-            const uint8_t *p = group + ((int64_t)qd * nc + j) * qbytes;
-            __m512i w0, w1;
-            __m512 dm;
-            if (bits == 8) {
-                w0 = _mm512_loadu_si512((const void *)p);
-                w1 = _mm512_loadu_si512((const void *)(p + 64));
-                dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 128))));
-            } else {
-                __m512i raw = _mm512_loadu_si512((const void *)p);
-                w0 = _mm512_and_si512(raw, nib);
-                w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-                dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 64))));
-            }
-            __m512 dw0 = _mm512_permutexvar_ps(i01, dm), dw1 = _mm512_permutexvar_ps(i23, dm);
-            for (int i = 0; i < rc; i++) {
-                const int8_t *x = xq[i] + qd * 128;
-                __m512i z0 = bits == 8 ? _mm512_loadu_si512((const void *)(xc[i] + qd * 32)) : _mm512_setzero_si512();
-                __m512i z1 = bits == 8 ? _mm512_loadu_si512((const void *)(xc[i] + qd * 32 + 16)) : _mm512_setzero_si512();
-                __m512i d0 = _mm512_dpbusd_epi32(z0, w0, _mm512_loadu_si512((const void *)x));
-                __m512i d1 = _mm512_dpbusd_epi32(z1, w1, _mm512_loadu_si512((const void *)(x + 64)));
-                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(dw0, _mm512_loadu_ps(xd[i] + qd * 32)),
-                                           acc[i][j]);
-                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(dw1, _mm512_loadu_ps(xd[i] + qd * 32 + 16)), a);
-                if (bits == 4) /* lanes 4..7: m_b * s_b */
-                    a = _mm512_mask3_fmadd_ps(dm, _mm512_castps256_ps512(_mm256_loadu_ps(xs[i] + qd * 8)), a, 0x00F0);
-                acc[i][j] = a;
-            }
-        }
-    }
-    const int rem = k % 128 / QB;
-    if (rem >= 2) { /* a pair of blocks: lanes 0-7 and 8-15 */
-        const int b0 = quads * 4;
-        const uint8_t *base = group + (int64_t)quads * nc * qbytes;
-        for (int j = 0; j < nc; j++) {
-            const uint8_t *p = base + (int64_t)j * unit_bytes(bits, 2);
-            __m512i w;
-            __m512 dm;
-            if (bits == 8) {
-                w = _mm512_loadu_si512((const void *)p);
-                uint32_t two;
-                memcpy(&two, p + 64, 4);
-                dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two)));
-            } else {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)p), m4 = _mm256_set1_epi8(0x0F);
-                w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
-                                       _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
-                dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 32))));
-            }
-            __m512 dw = _mm512_permutexvar_ps(i01, dm);
-            for (int i = 0; i < rc; i++) {
-                __m512i z = bits == 8 ? _mm512_loadu_si512((const void *)(xc[i] + b0 * 8)) : _mm512_setzero_si512();
-                __m512i dot = _mm512_dpbusd_epi32(z, w, _mm512_loadu_si512((const void *)(xq[i] + b0 * QB)));
-                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[i] + b0 * 8)),
-                                           acc[i][j]);
-                if (bits == 4) { /* lanes 2, 3: m_b * s_b */
-                    const float *sb = act_s(X, r0 + i) + b0;
-                    __m128 s2 = _mm_movelh_ps(_mm_setzero_ps(), _mm_castpd_ps(_mm_load_sd((const double *)sb)));
-                    a = _mm512_mask3_fmadd_ps(dm, _mm512_castps128_ps512(s2), a, 0x000C);
-                }
-                acc[i][j] = a;
-            }
-        }
-    }
-    if (rem & 1) { /* a last single block, in the low 8 lanes */
-        const int b = nb - 1;
-        const uint8_t *base = group + (int64_t)quads * nc * qbytes + (int64_t)(rem >= 2) * nc * unit_bytes(bits, 2);
-        for (int j = 0; j < nc; j++) {
-            const uint8_t *p = base + (int64_t)j * unit_bytes(bits, 1);
-            __m256i wb;
-            float dwb, mwb = 0.0f;
-            uint16_t h[2];
-            if (bits == 8) {
-                wb = _mm256_loadu_si256((const __m256i *)p);
-                memcpy(h, p + 32, 2);
-            } else {
-                __m128i raw = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
-                wb = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(raw, m4)),
-                                             _mm_and_si128(_mm_srli_epi16(raw, 4), m4), 1);
-                memcpy(h, p + 16, 4);
-                mwb = h2f(h[1]);
-            }
-            dwb = h2f(h[0]);
-            for (int i = 0; i < rc; i++) {
-                __m512i z = bits == 8 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xc[i] + b * 8)))
-                                      : _mm512_setzero_si512();
-                __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[i] + b * QB)));
-                __m512i dot = _mm512_dpbusd_epi32(z, _mm512_zextsi256_si512(wb), xv);
-                __m512 sc = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(dwb * act_d(X, r0 + i)[b]));
-                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[i][j]);
-                if (bits == 4) a = _mm512_mask_add_ps(a, 0x0100, a, _mm512_set1_ps(mwb * act_s(X, r0 + i)[b]));
-                acc[i][j] = a;
-            }
-        }
-    }
-    float bias[NR] = {0};
-    for (int j = 0; j < nc; j++) bias[j] = W->bias ? W->bias[n0 + j] : 0.0f;
-    for (int i = 0; i < rc; i++) {
-        __m512 zero = _mm512_setzero_ps();
-        float v[4];
-        _mm_storeu_ps(v, reduce4(acc[i][0], nc > 1 ? acc[i][1] : zero, nc > 2 ? acc[i][2] : zero,
-                                 nc > 3 ? acc[i][3] : zero));
-        float *out = y + (int64_t)(r0 + i) * ldy + n0;
-        for (int j = 0; j < nc; j++) out[j] = accumulate ? out[j] + (v[j] + bias[j]) : v[j] + bias[j];
+        float v[COLS];
+        _mm512_storeu_ps(v, acc[i]);
+        store_cols(y + (int64_t)(r0 + i) * ldy + g * COLS, v, bias, ncols, accumulate);
     }
 }
 #else
-static inline void tile(const sk_qmat *W, int n0, const int nc, const act_t *X, int r0, const int rc, float *y,
-                        int64_t ldy, int accumulate) {
-    const int k = W->k, nb = k / QB, bits = W->bits;
-    const uint8_t *group = W->data + (int64_t)n0 * W->row_bytes;
-    for (int j = 0; j < nc; j++) {
-        float bias = W->bias ? W->bias[n0 + j] : 0.0f;
-        for (int i = 0; i < rc; i++) {
-            const int8_t *xq = act_q(X, r0 + i);
-            const float *xd = act_d(X, r0 + i), *xs = act_s(X, r0 + i);
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                int blocks, index, isum = 0;
-                const uint8_t *u = unit_of(group, nc, j, k, bits, b, &blocks, &index);
-                const int8_t *xb = xq + b * QB;
-                int width = blocks * QB;
-                const uint8_t *sc = u + (bits == 8 ? width : width / 2);
-                uint16_t dh, mh = 0;
-                memcpy(&dh, sc + 2 * index, 2);
-                if (bits == 4) memcpy(&mh, sc + 2 * blocks + 2 * index, 2);
-                for (int t = 0; t < QB; t++) {
-                    int wi = index * QB + t, code;
-                    if (bits == 8) code = u[wi] - 128;
-                    else code = wi < width / 2 ? (u[wi] & 15) : (u[wi - width / 2] >> 4);
-                    isum += code * xb[t];
+static inline void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc, float *y, int64_t ldy,
+                        int accumulate) {
+    const int nb = W->k / QB, bits = W->bits, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
+    const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
+    int ncols = W->n - g * COLS < COLS ? W->n - g * COLS : COLS;
+    const float *bias = W->bias ? W->bias + g * COLS : NULL;
+    for (int i = 0; i < rc; i++) {
+        const int8_t *xq = act_q(X, r0 + i);
+        float acc[COLS] = {0};
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *u = base + (int64_t)b * bb;
+            for (int l = 0; l < COLS; l++) {
+                int sum = bits == 8 ? act_c(X, r0 + i)[b] : 0;
+                for (int j = 0; j < QB; j++) {
+                    int code;
+                    if (bits == 8) code = u[(j / 4) * 64 + l * 4 + j % 4];
+                    else code = (u[((j % 16) / 4) * 64 + l * 4 + j % 4] >> (j < 16 ? 0 : 4)) & 15;
+                    sum += code * xq[b * QB + j];
                 }
-                acc += (float)isum * (h2f(dh) * xd[b]);
-                if (bits == 4) acc += h2f(mh) * xs[b];
+                uint16_t dh, mh;
+                memcpy(&dh, u + cb + 2 * l, 2);
+                acc[l] += (float)sum * (h2f(dh) * act_d(X, r0 + i)[b]);
+                if (bits == 4) {
+                    memcpy(&mh, u + cb + 32 + 2 * l, 2);
+                    acc[l] += h2f(mh) * act_s(X, r0 + i)[b];
+                }
             }
-            float v = acc + bias;
-            float *out = y + (int64_t)(r0 + i) * ldy + n0 + j;
-            *out = accumulate ? *out + v : v;
         }
+        store_cols(y + (int64_t)(r0 + i) * ldy + g * COLS, acc, bias, ncols, accumulate);
     }
 }
 #endif
 
-/* Every tile shape gets its own copy of `tile` with constant bounds (registers, unrolled). */
-static void tile_any(const sk_qmat *W, int n0, int nc, const act_t *X, int r0, int rc, float *y, int64_t ldy,
-                     int accumulate) {
-#define T(R, C) case (R) * 8 + (C): tile(W, n0, C, X, r0, R, y, ldy, accumulate); return;
-    switch (rc * 8 + nc) {
-        T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(2, 1) T(2, 2) T(2, 3) T(2, 4)
-        T(3, 1) T(3, 2) T(3, 3) T(3, 4) T(4, 1) T(4, 2) T(4, 3) T(4, 4)
+/* Every row count gets its own copy of `tile` with a constant bound (registers, unrolled). */
+static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, float *y, int64_t ldy, int accumulate) {
+    switch (rc) {
+    case 1: tile(W, g, X, r0, 1, y, ldy, accumulate); return;
+    case 2: tile(W, g, X, r0, 2, y, ldy, accumulate); return;
+    case 3: tile(W, g, X, r0, 3, y, ldy, accumulate); return;
+    default: tile(W, g, X, r0, 4, y, ldy, accumulate); return;
     }
-#undef T
 }
 
 #define ROW_BLOCK 64 /* rows kept hot while a thread's columns pass over them */
 
-static void gemm_cols(const sk_qmat *W, int n0, int n1, const act_t *X, int rows, float *y, int64_t ldy,
-                      int accumulate) {
+static void gemm_groups(const sk_qmat *W, int g0, int g1, const act_t *X, int rows, float *y, int64_t ldy,
+                        int accumulate) {
     for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
         int re = rb + ROW_BLOCK < rows ? rb + ROW_BLOCK : rows;
-        for (int n = n0; n < n1; n += NR) {
-            int nc = n1 - n < NR ? n1 - n : NR;
-            for (int r = rb; r < re; r += MR) tile_any(W, n, nc, X, r, re - r < MR ? re - r : MR, y, ldy, accumulate);
-        }
+        for (int g = g0; g < g1; g++)
+            for (int r = rb; r < re; r += MR) tile_any(W, g, X, r, re - r < MR ? re - r : MR, y, ldy, accumulate);
     }
 }
 
 static void gemm_part(const sk_qmat *W, const act_t *X, int rows, float *y, int64_t ldy, int accumulate, int tid,
                       int nth) {
-    int tiles = (W->n + NR - 1) / NR, lo, hi; /* columns in whole tiles, split evenly */
-    split(tiles, tid, nth, &lo, &hi);
-    int n0 = lo * NR, n1 = hi * NR < W->n ? hi * NR : W->n;
-    if (n0 < n1) gemm_cols(W, n0, n1, X, rows, y, ldy, accumulate);
+    int groups = (W->n + COLS - 1) / COLS, lo, hi; /* whole groups of columns, split evenly */
+    split(groups, tid, nth, &lo, &hi);
+    if (lo < hi) gemm_groups(W, lo, hi, X, rows, y, ldy, accumulate);
 }
 
 /* ---- buffers -------------------------------------------------------------------------------- */
@@ -602,6 +470,44 @@ static int act_alloc(act_t *a, int k, int rows, void **buf, size_t *cap) {
     return 0;
 }
 
+/* Where a step's time goes (sk_profile): seconds per thread and part, summed over steps. */
+enum { T_NORM, T_QKV, T_ROPE, T_ATTN_A, T_ATTN_B, T_O, T_GATE_UP, T_DOWN, T_WAIT, T_HEAD, T_PARTS };
+static int profiling;
+static double profile[MAX_THREADS][T_PARTS];
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Add the time since *mark to part `part` of thread `tid`; with `wait`, then wait at the
+ * barrier and count that as waiting. */
+static inline void lap(int tid, int part, double *mark, int nth, int wait) {
+    if (profiling) {
+        double t = now_s();
+        profile[tid][part] += t - *mark;
+        *mark = t;
+    }
+    if (wait) {
+        barrier(nth);
+        if (profiling) {
+            double t = now_s();
+            profile[tid][T_WAIT] += t - *mark;
+            *mark = t;
+        }
+    }
+}
+
+/* Start (1) or stop (0) timing; `out` (if not NULL) gets [threads][T_PARTS] seconds so far,
+ * then the counters reset. Returns the number of parts. */
+int sk_profile(int enable, double *out) {
+    if (out) memcpy(out, profile, sizeof(profile));
+    memset(profile, 0, sizeof(profile));
+    profiling = enable;
+    return T_PARTS;
+}
+
 /* A standalone linear layer (the output head, a layer the HF model runs): y = x W^T (+ b). */
 typedef struct {
     const sk_qmat *W;
@@ -615,10 +521,12 @@ typedef struct {
 static void linear_run(void *ctx, int tid, int nth) {
     linear_job *j = ctx;
     int lo, hi;
+    double mark = profiling ? now_s() : 0.0;
     split(j->rows, tid, nth, &lo, &hi);
     for (int r = lo; r < hi; r++) quantize_row(j->x + r * j->ldx, &j->act, r);
     barrier(nth);
     gemm_part(j->W, &j->act, j->rows, j->y, j->ldy, 0, tid, nth);
+    lap(tid, T_HEAD, &mark, nth, 0);
 }
 
 static void *linear_buf;
@@ -635,6 +543,23 @@ int sk_linear(const sk_qmat *W, const float *x, int rows, int64_t ldx, float *y,
 /* ---- vector helpers ---------------------------------------------------------------------- */
 
 #if SK_AVX512
+/* The sums of four vectors, one per lane of the result. */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m256 y0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 y1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    __m256 y2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    __m256 y3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y0, y1), _mm256_hadd_ps(y2, y3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* The sum of a vector's 16 lanes in reduce4's order: with y_i = v_i + v_(i+8),
+ * ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)). */
+static inline float sum16(__m512 v) {
+    __m512 z = _mm512_setzero_ps();
+    return _mm_cvtss_f32(reduce4(v, z, z, z));
+}
+
 /* exp for x <= 0 (softmax): 2^n * p(r), r in [-ln2/2, ln2/2], degree-6 polynomial (~1 ulp). */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
@@ -1007,7 +932,7 @@ static void chunk_parts_h64(scratch_t *t, int nq, const uint16_t *K, const uint1
             l = _mm512_add_ps(l, p);
         }
         d[0] = mx;
-        d[1] = _mm512_reduce_add_ps(l);
+        d[1] = sum16(l);
     }
     for (int g = 0; g < nq; g += PV_GROUP) { /* acc = sum_j p_j v_j, each value converted once per group */
         int gn = nq - g < PV_GROUP ? nq - g : PV_GROUP;
@@ -1023,7 +948,8 @@ static void chunk_parts(const fwd_t *F, scratch_t *t, int nq, const char *kb, co
     int dim = M->head_dim;
 #if SK_AVX512
     if (dim == 64 && M->kv_fp16) {
-        chunk_parts_h64(t, nq, (const uint16_t *)kb + (int64_t)c0 * 64, (const uint16_t *)vb + (int64_t)c0 * 64, c0, count);
+        const uint16_t *K = (const uint16_t *)kb + (int64_t)c0 * 64, *V = (const uint16_t *)vb + (int64_t)c0 * 64;
+        chunk_parts_h64(t, nq, K, V, c0, count);
         return;
     }
 #endif
@@ -1195,44 +1121,46 @@ static void forward_job(void *ctx, int tid, int nth) {
     int N = F->rows, lo, hi, hidden = M->hidden, inter = M->inter;
     split(N, tid, nth, &lo, &hi);
     scratch_t t = scratch_for(F, tid);
+    double mark = profiling ? now_s() : 0.0;
     for (int layer = 0; layer < M->layers; layer++) {
         const sk_layer *L = &M->layer[layer];
         for (int r = lo; r < hi; r++) {
             rmsnorm(F->h + (int64_t)r * hidden, L->in_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
             quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
         }
-        barrier(nth);
+        lap(tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->qkv, &F->act_h, N, F->qkv, qkv_width(M), 0, tid, nth);
-        barrier(nth);
+        lap(tid, T_QKV, &mark, nth, 1);
         for (int r = lo; r < hi; r++) prepare_row(F, layer, r);
-        barrier(nth);
+        lap(tid, T_ROPE, &mark, nth, 1);
         atomic_int *next = F->next + 2 * layer;
         for (int i; (i = atomic_fetch_add(&next[0], 1)) < F->ntasks_a;) run_a(F, &F->tasks_a[i], layer, &t);
-        barrier(nth);
+        lap(tid, T_ATTN_A, &mark, nth, 1);
         for (int i; (i = atomic_fetch_add(&next[1], 1)) < F->ntasks_b;) run_b(F, &F->tasks_b[i], layer, &t);
-        barrier(nth);
+        lap(tid, T_ATTN_B, &mark, nth, 1);
         for (int r = lo; r < hi; r++) quantize_row(F->attn + (int64_t)r * M->heads * M->head_dim, &F->act_a, r);
-        barrier(nth);
+        lap(tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->o, &F->act_a, N, F->h, hidden, 1, tid, nth);
-        barrier(nth);
+        lap(tid, T_O, &mark, nth, 1);
         for (int r = lo; r < hi; r++) {
             rmsnorm(F->h + (int64_t)r * hidden, L->post_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
             quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
         }
-        barrier(nth);
+        lap(tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->gate_up, &F->act_h, N, F->gu, 2 * inter, 0, tid, nth);
-        barrier(nth);
+        lap(tid, T_GATE_UP, &mark, nth, 1);
         for (int r = lo; r < hi; r++) {
             float *g = F->gu + (int64_t)r * 2 * inter, *u = g + inter;
             silu_mul(g, u, inter);
             quantize_row(g, &F->act_i, r);
         }
-        barrier(nth);
+        lap(tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->down, &F->act_i, N, F->h, hidden, 1, tid, nth);
-        barrier(nth);
+        lap(tid, T_DOWN, &mark, nth, 1);
     }
     if (F->out)
         for (int r = lo; r < hi; r++) rmsnorm(F->h + (int64_t)r * hidden, M->final_norm, hidden, M->eps, F->out + (int64_t)r * hidden);
+    lap(tid, T_NORM, &mark, nth, 0);
 }
 
 /* ---- the step's plan: slots, tasks, workspace --------------------------------------------- */
@@ -1304,7 +1232,7 @@ int sk_forward(const sk_model *M, const sk_plan *P, int rows, float *h, float *o
 
     fwd_t F = {.M = M, .plan = P, .rows = rows, .h = h, .out = out, .qmax = qmax};
     int wq = (M->heads + 2 * M->kv_heads) * dim, wa = M->heads * dim;
-    size_t sf = 2 * CHUNK * dim + (size_t)qmax * CHUNK + 2 * (size_t)qmax * (dim + 2) + 5 * (size_t)qmax + 16; /* + pointers, limits */
+    size_t sf = 2 * CHUNK * dim + (size_t)qmax * CHUNK + 2 * (size_t)qmax * (dim + 2) + 5 * (size_t)qmax + 16;
     F.scratch_floats = (sf + 15) / 16 * 16;
     int act_k[3] = {M->hidden, wa, M->inter};
     size_t need = 0;

@@ -91,13 +91,13 @@ def test_a_row_never_depends_on_the_others_or_the_threads():
 
 def test_views_of_a_fused_matrix_are_its_rows():
     torch.manual_seed(4)
-    a, b = torch.nn.Linear(64, 12), torch.nn.Linear(64, 8)
+    a, b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 8)
     fused = quantize([a, b], 4)
     x = torch.randn(3, 64)
     both = fused(x)
-    assert torch.equal(fused.rows(0, 12)(x), both[:, :12]) and torch.equal(fused.rows(12, 20)(x), both[:, 12:])
-    with pytest.raises(ValueError, match="whole groups of 4"):
-        fused.rows(2, 12)
+    assert torch.equal(fused.rows(0, 32)(x), both[:, :32]) and torch.equal(fused.rows(32, 40)(x), both[:, 32:])
+    with pytest.raises(ValueError, match="whole groups of 16"):
+        fused.rows(8, 32)
 
 
 # ---- the decoder stack ------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_the_fp16_cache_equals_a_reference_with_fp16_keys_and_values(tokenizer, 
             want = model(torch.tensor([ids])).logits[0].float()
     finally:
         model.set_attn_implementation("streamer_cache")
-    close_rows(got, want, 0.95)
+    close_rows(got, want, 0.85)
 
 
 def test_the_portable_build_agrees_with_the_native_one():
