@@ -6,9 +6,10 @@ For each context size (default 512 and 4096 tokens of the bundled log, framed as
     is asked as a fork on the live cache: time to an 8-token and a 64-token answer, and decode
     ms/token over the 64-token answer;
   - llama.cpp (`llama-cpp-python`, optional: `pip install llama-cpp-python` builds it from
-    source; never a test dependency) on the same GGUF file, the same token ids (framing,
-    context, framed question), greedy: the context is evaluated once, then each answer reuses
-    it (its longest common prefix) and evaluates the question and the answer tokens.
+    source; never a test dependency; bench/baselines.py LlamaCpp) on the same GGUF file, the
+    same token ids (framing, context, framed question), greedy: the context is evaluated once,
+    then each answer reuses it (its longest common prefix) and evaluates the question and the
+    answer tokens. (bench/peers.py compares the two on a live feed, through our server.)
 Both use the same number of threads. Rounds alternate between engines, so machine drift hits
 them alike; medians are printed. Perplexity per format on the bundled log is printed after.
 
@@ -37,6 +38,8 @@ from streamer.sessions.query import QueryJob
 from streamer.sessions.runner import SeqStep
 from streamer.sessions.sampling import SamplingParams
 from streamer.sessions.session import Session
+
+from baselines import LlamaCpp
 
 from streamer.app import build_runner
 
@@ -93,41 +96,6 @@ class Ours:
         return math.exp(nll / count)
 
 
-class LlamaCpp:
-    """llama.cpp on the same GGUF and token ids; the context stays evaluated between answers."""
-
-    def __init__(self, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(embedded_gguf_path()), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, n_batch=STEP_TOKENS, verbose=False)
-        self.ctx: dict[int, list[int]] = {}
-        self.ingest: dict[int, float] = {}
-
-    def prepare(self, size: int, ids: list[int], question: int) -> None:
-        context = ids[:-question]
-        self.llm.reset()
-        started = time.perf_counter()
-        self.llm.eval(context)
-        self.ingest[size] = len(context) / (time.perf_counter() - started)
-        self.ctx[size] = ids
-
-    def answer(self, size: int, tokens: int, question: int) -> tuple[float, float]:
-        ids = self.ctx[size]
-        llm = self.llm
-        if llm.n_tokens < len(ids) - question or list(llm._input_ids[:len(ids) - question]) != ids[:-question]:
-            llm.reset()
-            llm.eval(ids[:-question])  # another size was evaluated since: not timed
-        llm.n_tokens = len(ids) - question  # keep the context, drop the last question and answer
-        started = time.perf_counter()
-        llm.eval(ids[-question:])
-        first = time.perf_counter()
-        for _ in range(tokens - 1):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
-        done = time.perf_counter()
-        return done - started, (done - first) / max(1, tokens - 1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="512,4096")
@@ -141,11 +109,12 @@ def main() -> None:
     formats = args.formats.split(",")
     ours = {fmt: Ours(fmt) for fmt in formats}
     try:
-        llama = LlamaCpp(args.threads, max(sizes) + 256)
+        llama = LlamaCpp(args.threads, max(sizes) + 256, n_batch=STEP_TOKENS)
     except ImportError:
         llama = None
         print("llama-cpp-python is not installed: ours only (pip install llama-cpp-python)")
     print(f"threads={args.threads}  load average {os.getloadavg()[0]:.1f} at start")
+    llama_ingest: dict[int, float] = {}
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
     for size in sizes:
         ids = next(iter(ours.values())).prepare(size)
@@ -153,10 +122,10 @@ def main() -> None:
             ours[fmt].prepare(size)
         question = len(ids) - len(next(iter(ours.values())).sessions[size].context_ids())
         if llama is not None:
-            llama.prepare(size, ids, question)
+            llama_ingest[size] = llama.prefill_rate(ids[:-question])
         engines = {f"ours-{fmt}": (lambda t, s=size, o=ours[fmt]: o.answer(s, t)) for fmt in formats}
-        if llama is not None:
-            engines["llama.cpp"] = lambda t, s=size, q=question: llama.answer(s, t, q)
+        if llama is not None:  # each answer reuses the evaluated context: the question, then the answer
+            engines["llama.cpp"] = lambda t, i=ids: (llama.answer(i, t), llama.decode_rate(i, t))
         for _ in range(args.reps):
             for name, run in engines.items():
                 r = results.setdefault((name, size), {"a8": [], "a64": [], "decode": []})
@@ -171,7 +140,7 @@ def main() -> None:
     for size in sizes:
         for name in names:
             m = med[(name, size)]
-            ingest = (llama.ingest if name == "llama.cpp" else ours[name[5:]].ingest)[size]
+            ingest = (llama_ingest if name == "llama.cpp" else ours[name[5:]].ingest)[size]
             print(f"{size:>8} {name:>12} {m['decode'] * 1000:>14.1f} {m['a8'] * 1000:>16.0f} {m['a64'] * 1000:>17.0f} "
                   f"{ingest:>13.0f}")
     best = "int4" if "int4" in formats else formats[-1]
@@ -181,14 +150,14 @@ def main() -> None:
         for size in sizes:
             o, ll = med[(f"ours-{best}", size)], med[("llama.cpp", size)]
             print(f"{size:>8}  decode {o['decode'] / ll['decode']:.2f}x   answer8 {ll['a8'] / o['a8']:.2f}x   "
-                  f"answer64 {ll['a64'] / o['a64']:.2f}x   ingest {ours[best].ingest[size] / llama.ingest[size]:.2f}x")
+                  f"answer64 {ll['a64'] / o['a64']:.2f}x   ingest {ours[best].ingest[size] / llama_ingest[size]:.2f}x")
         small, large = min(sizes), max(sizes)
         ratios["decode512_vs_llama"] = med[(f"ours-{best}", small)]["decode"] / med[("llama.cpp", small)]["decode"]
         ratios["decode4k_vs_llama"] = med[(f"ours-{best}", large)]["decode"] / med[("llama.cpp", large)]["decode"]
         ratios["answer8_llama_vs_ours"] = med[("llama.cpp", large)]["a8"] / med[(f"ours-{best}", large)]["a8"]
         ratios["answer64_min_llama_vs_ours"] = min(med[("llama.cpp", s)]["a64"] / med[(f"ours-{best}", s)]["a64"]
                                                    for s in sizes)
-        ratios["ingest_vs_llama"] = statistics.median(ours[best].ingest[s] / llama.ingest[s] for s in sizes)
+        ratios["ingest_vs_llama"] = statistics.median(ours[best].ingest[s] / llama_ingest[s] for s in sizes)
     if "fp32" in formats and best != "fp32":
         ratios["int4_vs_fp32_decode"] = statistics.median(
             med[("ours-fp32", s)]["decode"] / med[(f"ours-{best}", s)]["decode"] for s in sizes)

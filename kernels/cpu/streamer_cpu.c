@@ -157,7 +157,26 @@ static void *worker_main(void *arg) {
     }
 }
 
+/* One caller at a time: engines in one process share the pool and the workspace. */
+static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* A forked child has none of the parent's worker threads: it starts over with none. */
+static void child_after_fork(void) {
+    POOL.started = 0;
+    POOL.nth = 1;
+    pthread_mutex_init(&POOL.lock, NULL);
+    pthread_cond_init(&POOL.wake, NULL);
+    pthread_mutex_init(&api_lock, NULL);
+    atomic_store(&POOL.sleeping, 0);
+}
+
 int sk_set_threads(int n) {
+    static int fork_handler;
+    if (!fork_handler) {
+        pthread_atfork(NULL, NULL, child_after_fork);
+        fork_handler = 1;
+    }
+    pthread_mutex_lock(&api_lock);
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
     while (POOL.started < n - 1) {
@@ -168,6 +187,7 @@ int sk_set_threads(int n) {
         POOL.started++;
     }
     POOL.nth = n <= POOL.started + 1 ? n : POOL.started + 1;
+    pthread_mutex_unlock(&api_lock);
     return POOL.nth;
 }
 
@@ -535,9 +555,11 @@ static size_t linear_cap;
 int sk_linear(const sk_qmat *W, const float *x, int rows, int64_t ldx, float *y, int64_t ldy) {
     if (W->k % QB) return -2;
     linear_job j = {.W = W, .x = x, .rows = rows, .ldx = ldx, .ldy = ldy, .y = y};
-    if (act_alloc(&j.act, W->k, rows, &linear_buf, &linear_cap)) return -1;
-    run_job(linear_run, &j);
-    return 0;
+    pthread_mutex_lock(&api_lock);
+    int rc = act_alloc(&j.act, W->k, rows, &linear_buf, &linear_cap);
+    if (rc == 0) run_job(linear_run, &j);
+    pthread_mutex_unlock(&api_lock);
+    return rc;
 }
 
 /* ---- vector helpers ---------------------------------------------------------------------- */
@@ -1213,7 +1235,16 @@ static int plan_sizes(const sk_model *M, const sk_plan *P, int rows, int32_t *se
 /* Run every layer for `rows` packed rows. h: [rows, hidden] (updated in place: the residual
  * stream); out: [rows, hidden] the final-normed hidden states (or NULL). Returns 0, or a
  * negative number when memory runs out or the plan is inconsistent. */
+static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *h, float *out);
+
 int sk_forward(const sk_model *M, const sk_plan *P, int rows, float *h, float *out) {
+    pthread_mutex_lock(&api_lock);
+    int rc = forward_locked(M, P, rows, h, out);
+    pthread_mutex_unlock(&api_lock);
+    return rc;
+}
+
+static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *h, float *out) {
     if (rows <= 0 || M->heads % M->kv_heads) return -2;
     int G = M->heads / M->kv_heads, dim = M->head_dim, nth = POOL.nth;
     int most = GROUP_ROWS > ROW_TILE ? GROUP_ROWS : ROW_TILE;

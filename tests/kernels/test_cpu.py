@@ -14,6 +14,7 @@
 """
 
 import ctypes
+import time
 
 import pytest
 import torch
@@ -256,3 +257,56 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(ck, "compiler", lambda: "false")
     with pytest.raises(ck.KernelBuildError, match="false failed to compile"):
         ck.build()
+
+
+def test_engines_in_one_process_may_call_at_once(tokenizer):
+    """Two runners stepping from two threads at once (two engines in one process) get what each
+    gets alone: calls into the C library take turns."""
+    import threading
+
+    runners = [tiny_runners(tokenizer, torch.float16, seed=30 + i)[0] for i in range(2)]
+    ids = ids_of(200, 7)
+
+    def run(runner, out):
+        cache = runner.new_cache(256)
+        out.append(runner.forward([SeqStep(cache, 0, ids)], logits="all")[0])
+        for i in range(20):
+            out.append(runner.forward([SeqStep(cache, 200 + i, [ids[i]])])[0])
+
+    alone = [[], []]
+    for runner, out in zip(runners, alone):
+        run(runner, out)
+    together = [[], []]
+    threads = [threading.Thread(target=run, args=(r, o)) for r, o in zip(runners, together)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for a, b in zip(alone, together):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_forked_child_runs_the_kernels_on_its_own_threads():
+    """After fork() the child has none of the parent's worker threads; the pool starts over."""
+    import os
+
+    torch.manual_seed(8)
+    matrix = quantize([torch.nn.Linear(64, 32)], 4)
+    x = torch.randn(3, 64)
+    want = matrix(x)  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the kernels run and agree
+        try:
+            ck.set_threads(2)
+            os._exit(0 if torch.equal(matrix(x), want) else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child hung in the C kernels")
