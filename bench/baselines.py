@@ -46,12 +46,22 @@ class LlamaCpp:
         llm.n_tokens = common
         llm.eval(ids[common:])
 
-    def _greedy(self, tokens: int) -> None:
+    def _argmax(self) -> int:
+        """The greedy next token: argmax of the logits of the last evaluated token (the only
+        row llama.cpp computes when not asked for all)."""
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(logits.argmax())
+
+    def _greedy(self, tokens: int) -> list[int]:
         """Generate `tokens` greedily after the evaluated ids (the last one is not evaluated:
         nothing reads its logits), past any end-of-text."""
-        llm = self.llm
+        out = [self._argmax()]
         for _ in range(tokens - 1):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+            self.llm.eval([out[-1]])
+            out.append(self._argmax())
+        return out
 
     def prefill_rate(self, ids: list[int]) -> float:
         """Tokens per second evaluating `ids` on an empty cache."""

@@ -138,13 +138,13 @@ async def run(args, engine: Engine, llama: LlamaCpp | None) -> dict:
                     now = ours.state.cache.length
                     await ours.feed_to(max(now + 256, size - 256 * (len(asked) - 1 - i)))
                     context, q = ours.ids(question)
+                    await asyncio.sleep(PAUSE_S)
+                    answer = await ours.ask(question, n)
+                    times[("ours", n)].append(answer.client_ms / 1000)
+                    if llama is not None:
                         await asyncio.sleep(PAUSE_S)
-                        answer = await ours.ask(question, n)
-                        times[("ours", n)].append(answer.client_ms / 1000)
-                        if llama is not None:
-                            await asyncio.sleep(PAUSE_S)
-                            times[("llama.cpp", n)].append(llama.answer(context + q, max(1, answer.tokens)))
-                        out["answers"].setdefault((size, n), []).append((len(context), answer.tokens))
+                        times[("llama.cpp", n)].append(llama.answer(context + q, max(1, answer.tokens)))
+                    out["answers"].setdefault((size, n), []).append((len(context), answer.tokens))
                 med = {k: statistics.median(v) for k, v in times.items() if v}
                 for n in (8, 64):
                     ctx, produced = out["answers"][(size, n)][-1]

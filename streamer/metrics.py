@@ -84,7 +84,8 @@ def render(metrics: dict, connections: int, edge: dict | None = None, durability
     if "weights" in metrics:
         w = metrics["weights"]
         metric("weights_info", "gauge", "Weight format of the linear layers (the labels; value 1)",
-               [({"format": w["format"], "requested": w["requested"], "source": w["source"]}, 1)])
+               [({"format": w["format"], "requested": w["requested"], "source": w["source"],
+                  "kernels": w["kernels"]}, 1)])
         metric("linear_weight_bytes", "gauge", "Bytes of linear-layer weights a decode step reads",
                [({}, w["linear_bytes"])])
     steps = stats["steps"] or 1

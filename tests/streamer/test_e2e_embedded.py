@@ -70,6 +70,7 @@ def test_cli_serve_and_client_stream(tmp_path):
         health = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10))
         assert health["status"] == "ok" and health["model"] == "SmolLM2-135M-Instruct"
         assert health["weights"]["format"] == "int4" and health["weights"]["source"] == "gguf Q4_1"  # auto
+        assert health["weights"]["kernels"].startswith("native")  # the C decoder stack (a C compiler is here)
         client = _streamer("client", "stream", str(doc), "--url", f"ws://127.0.0.1:{port}", "--chunk-chars", "300",
                            "--ask", "What is the keeper's name?", "--ask-every", "2", "--json")
         out, _ = client.communicate(timeout=300)

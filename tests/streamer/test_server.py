@@ -280,7 +280,7 @@ def test_metrics_endpoint(tiny_engine):
         assert samples["streamer_pool_used_bytes"] > 0 and samples["streamer_pool_budget_bytes"] > 0
         assert samples[f'streamer_session_cache_tokens{{session="{sid}"}}'] > 0
         assert 'streamer_queue_depth{class="admission"}' in samples
-        assert samples['streamer_weights_info{format="fp32",requested="fp32",source="checkpoint"}'] == 1
+        assert samples['streamer_weights_info{format="fp32",requested="fp32",source="checkpoint",kernels="torch"}'] == 1
         assert samples["streamer_linear_weight_bytes"] > 0
         health = json.loads((await asyncio.to_thread(urllib.request.urlopen, base + "/healthz")).read())
         assert health["weights"]["format"] == "fp32" and health["weights"]["linear_bytes"] > 0
