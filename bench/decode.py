@@ -166,6 +166,8 @@ def main() -> None:
         for fmt, o in ours.items():
             print(f"  {fmt:>5} {o.perplexity(args.ppl_tokens):8.3f}  ({o.runner.weights.source}, "
                   f"{o.runner.weights.linear_bytes / 1e6:.0f} MB of linear weights)")
+    if llama is not None:
+        llama.close()
     keys = ["decode512_vs_llama", "decode4k_vs_llama", "answer8_llama_vs_ours", "answer64_min_llama_vs_ours",
             "ingest_vs_llama", "int4_vs_fp32_decode"]
     print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" if k in ratios else f"{k}=n/a" for k in keys))

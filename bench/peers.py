@@ -180,6 +180,8 @@ def main() -> None:
         r = asyncio.run(run(args, engine, llama))
     finally:
         engine.stop()
+        if llama is not None:
+            llama.close()
     if llama is None:
         return
     big = max(args.sizes)
