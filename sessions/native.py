@@ -31,6 +31,7 @@ from streamer.kernels.backend import read_only_parts
 log = logging.getLogger(__name__)
 
 QB = 32
+MAX_RANGES = 16  # read-only ranges a sequence may read (streamer_cpu.c MAX_SEGS - 1)
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -291,6 +292,8 @@ class NativeStack:
             if cache.prefix_len:
                 parts.append((cache.prefix, cache.prefix_len))
             parts = [(b, n) for b, n in parts if n > 0]
+            if len(parts) > MAX_RANGES:
+                raise ValueError(f"a sequence reads {len(parts)} read-only ranges; the native stack takes {MAX_RANGES}")
             group = -1
             if parts:
                 key = tuple((id(b), n) for b, n in parts)

@@ -797,15 +797,28 @@ typedef struct {
     const float *final_norm;
 } sk_model;
 
-/* Attention work. Kind A (partials, stored): a group's read-only range chunk for some of the
- * group's rows, or a short sequence's own chunk for all its rows. Kind B (final, per kv head):
- * rows of one sequence merge their stored partials in order, computing the own chunks of a
- * longer sequence on the way, and write their output. */
-enum { A_GROUP = 0, A_OWN = 1 };
+/* Attention. A row's keys are one sequence: its group's read-only ranges in order, then its
+ * own cache (causal). That sequence is cut into chunks of CHUNK keys by position in it alone,
+ * whatever ranges the keys lie in, so a row gets the same chunks, hence the same partials and
+ * the same result, however its keys are split into ranges: a flash fork over a session, a
+ * question written past the session's length, a stateless run over the concatenation.
+ * Kind A work (partials, stored): a chunk that lies wholly in a group's read-only ranges, for
+ * some of the group's rows; or a chunk of a short sequence (all its rows). Kind B (final, per
+ * kv head): rows of one sequence merge their partials in chunk order, computing the chunks of
+ * a longer sequence on the way, and write their output. */
+enum { A_GROUP = 0, A_SEQ = 1 };
 
 typedef struct {
-    int32_t kind, idx, range, chunk, head, first, count;
+    int32_t kind, idx, chunk, head, first, count;
 } task_t;
+
+/* A run of keys (and their values) of one layer and kv head, contiguous in a cache. */
+typedef struct {
+    const char *k, *v;
+    int count;
+} seg_t;
+
+#define MAX_SEGS 17 /* a chunk's runs: at most every range of a group, and the own cache */
 
 #define GROUP_ROWS 32 /* rows of a group per kind-A task */
 #define MAX_Q 1024   /* query vectors per attention task, at most (GROUP_ROWS x heads per kv head) */
@@ -819,9 +832,8 @@ typedef struct {
     act_t act_h, act_a, act_i;
     float *parts;            /* [slot total][heads][dim + 2]: m, l, acc */
     int32_t *row_slot0, *row_seq;
-    int32_t *seq_group_slots;  /* per sequence: slots of its group's ranges (own chunks follow) */
     int32_t *group_rows, *group_row0, *group_nrows;
-    int32_t *range_slot;       /* per range: slot of its first chunk within its group */
+    int32_t *group_len;        /* keys in a group's read-only ranges */
     task_t *tasks_a, *tasks_b;
     int ntasks_a, ntasks_b;
     atomic_int *next;          /* per layer: kind A and kind B counters */
@@ -831,6 +843,15 @@ typedef struct {
 
 static inline int chunks_of(int len) { return len <= 0 ? 0 : (len + CHUNK - 1) / CHUNK; }
 static inline int is_split(const sk_seq *s) { return s->n <= SPLIT_ROWS; }
+
+/* Keys before a sequence's own cache (its group's ranges), and chunks wholly within them. */
+static inline int seq_before(const fwd_t *F, const sk_seq *s) { return s->group >= 0 ? F->group_len[s->group] : 0; }
+static inline int seq_shared(const fwd_t *F, const sk_seq *s) { return s->group >= 0 ? F->group_len[s->group] / CHUNK : 0; }
+
+/* Partials a row stores: its group's shared chunks, and every chunk if its sequence is split. */
+static inline int seq_slots(const fwd_t *F, const sk_seq *s) {
+    return is_split(s) ? chunks_of(seq_before(F, s) + s->start + s->n) : seq_shared(F, s);
+}
 
 static inline float *part_at(const fwd_t *F, int row, int slot, int head) {
     const sk_model *M = F->M;
@@ -846,6 +867,29 @@ static inline int qkv_width(const sk_model *M) { return (M->heads + 2 * M->kv_he
 
 static inline float *q_vec(const fwd_t *F, int row, int head) {
     return F->qkv + (int64_t)row * qkv_width(F->M) + (int64_t)head * F->M->head_dim;
+}
+
+/* Keys [c0, c0 + CHUNK) of the sequence made of ranges[0..nranges) then `own` (own_len keys;
+ * own may be NULL), for one layer and kv head, as runs; returns how many keys. */
+static int chunk_segments(const fwd_t *F, const sk_range *ranges, int nranges, const sk_range *own, int own_len,
+                          int layer, int head, int c0, seg_t *seg, int *nseg) {
+    const sk_model *M = F->M;
+    int at = 0, got = 0, n = 0, end = c0 + CHUNK, esz = M->kv_fp16 ? 2 : 4;
+    for (int r = 0; r <= nranges && at < end; r++) {
+        const sk_range *rg = r < nranges ? &ranges[r] : own;
+        if (!rg) break;
+        int len = r < nranges ? rg->len : own_len;
+        int lo = c0 > at ? c0 : at, hi = end < at + len ? end : at + len;
+        if (lo < hi && n < MAX_SEGS) {
+            int64_t skip = (int64_t)(lo - at) * M->head_dim * esz;
+            seg[n++] = (seg_t){range_base(rg, layer, head, M->kv_fp16, 0) + skip,
+                               range_base(rg, layer, head, M->kv_fp16, 1) + skip, hi - lo};
+            got += hi - lo;
+        }
+        at += len;
+    }
+    *nseg = n;
+    return got;
 }
 
 typedef struct {
@@ -874,36 +918,41 @@ static scratch_t scratch_for(const fwd_t *F, int tid) {
 /* chunk_parts for head_dim 64 and an fp16 cache: keys and values are read once, straight from
  * the cache; each converted key serves every query; scores are reduced four keys at a time. */
 #define PV_GROUP 6
-/* acc[q] = sum_j p[q][j] v_j over `most` values of one head (fp16 rows of 64), into dst[q] + 2. */
+/* acc[q] = sum_j p[q][j] v_j over the chunk's first `most` values of one head (fp16 rows of
+ * 64, in runs), key by key in order, into dst[q] + 2. */
 static inline __attribute__((always_inline)) void pv(const float *p, float *const *dst, const int gn,
-                                                     const uint16_t *V, int most) {
+                                                     const seg_t *seg, int nseg, int most) {
     __m512 acc[PV_GROUP][4];
     for (int q = 0; q < gn; q++)
         for (int c = 0; c < 4; c++) acc[q][c] = _mm512_setzero_ps();
-    for (int j = 0; j < most; j++) {
-        __m512 v[4];
-        for (int c = 0; c < 4; c++) v[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(V + (int64_t)j * 64 + 16 * c)));
-        for (int q = 0; q < gn; q++) {
-            __m512 pj = _mm512_set1_ps(p[(size_t)q * CHUNK + j]);
-            for (int c = 0; c < 4; c++) acc[q][c] = _mm512_fmadd_ps(pj, v[c], acc[q][c]);
+    for (int r = 0, j0 = 0; r < nseg && j0 < most; j0 += seg[r].count, r++) {
+        const uint16_t *V = (const uint16_t *)seg[r].v;
+        int n = most - j0 < seg[r].count ? most - j0 : seg[r].count;
+        for (int j = 0; j < n; j++) {
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(V + (int64_t)j * 64 + 16 * c)));
+            for (int q = 0; q < gn; q++) {
+                __m512 pj = _mm512_set1_ps(p[(size_t)q * CHUNK + j0 + j]);
+                for (int c = 0; c < 4; c++) acc[q][c] = _mm512_fmadd_ps(pj, v[c], acc[q][c]);
+            }
         }
     }
     for (int q = 0; q < gn; q++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst[q] + 2 + 16 * c, acc[q][c]);
 }
 
-static void pv_any(const float *p, float *const *dst, int gn, const uint16_t *V, int most) {
+static void pv_any(const float *p, float *const *dst, int gn, const seg_t *seg, int nseg, int most) {
     switch (gn) { /* a copy per group size: the accumulators stay in registers */
-    case 1: pv(p, dst, 1, V, most); break;
-    case 2: pv(p, dst, 2, V, most); break;
-    case 3: pv(p, dst, 3, V, most); break;
-    case 4: pv(p, dst, 4, V, most); break;
-    case 5: pv(p, dst, 5, V, most); break;
-    default: pv(p, dst, 6, V, most); break;
+    case 1: pv(p, dst, 1, seg, nseg, most); break;
+    case 2: pv(p, dst, 2, seg, nseg, most); break;
+    case 3: pv(p, dst, 3, seg, nseg, most); break;
+    case 4: pv(p, dst, 4, seg, nseg, most); break;
+    case 5: pv(p, dst, 5, seg, nseg, most); break;
+    default: pv(p, dst, 6, seg, nseg, most); break;
     }
 }
 
-static void chunk_parts_h64(scratch_t *t, int nq, const uint16_t *K, const uint16_t *V, int c0, int count) {
+static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, int c0, int count) {
     int vis[MAX_Q], most = 0;
     for (int q = 0; q < nq; q++) {
         int v = t->lim[q] - c0;
@@ -911,23 +960,29 @@ static void chunk_parts_h64(scratch_t *t, int nq, const uint16_t *K, const uint1
         most = vis[q] > most ? vis[q] : most;
     }
     float *s = t->s;
-    for (int j = 0; j < most; j += 4) {
-        __m512 k[4][4];
-        for (int u = 0; u < 4; u++)
-            for (int p = 0; p < 4; p++)
-                k[u][p] = j + u < most ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(K + (int64_t)(j + u) * 64 + 16 * p)))
-                                       : _mm512_setzero_ps();
-        for (int q = 0; q < nq; q++) {
-            const float *qv = t->qs[q];
-            __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
-                   q3 = _mm512_loadu_ps(qv + 48), a[4];
-            for (int u = 0; u < 4; u++) {
-                __m512 x = _mm512_mul_ps(q0, k[u][0]);
-                x = _mm512_fmadd_ps(q1, k[u][1], x);
-                x = _mm512_fmadd_ps(q2, k[u][2], x);
-                a[u] = _mm512_fmadd_ps(q3, k[u][3], x);
+    for (int r = 0, j0 = 0; r < nseg && j0 < most; j0 += seg[r].count, r++) { /* scores, four keys at a time */
+        const uint16_t *K = (const uint16_t *)seg[r].k;
+        int n = most - j0 < seg[r].count ? most - j0 : seg[r].count;
+        for (int j = 0; j < n; j += 4) {
+            __m512 k[4][4];
+            for (int u = 0; u < 4; u++)
+                for (int p = 0; p < 4; p++)
+                    k[u][p] = j + u < n ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(K + (int64_t)(j + u) * 64 + 16 * p)))
+                                        : _mm512_setzero_ps();
+            for (int q = 0; q < nq; q++) {
+                const float *qv = t->qs[q];
+                __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
+                       q3 = _mm512_loadu_ps(qv + 48), a[4];
+                for (int u = 0; u < 4; u++) {
+                    __m512 x = _mm512_mul_ps(q0, k[u][0]);
+                    x = _mm512_fmadd_ps(q1, k[u][1], x);
+                    x = _mm512_fmadd_ps(q2, k[u][2], x);
+                    a[u] = _mm512_fmadd_ps(q3, k[u][3], x);
+                }
+                float four[4];
+                _mm_storeu_ps(four, reduce4(a[0], a[1], a[2], a[3]));
+                for (int u = 0; u < 4 && j + u < n; u++) s[(size_t)q * CHUNK + j0 + j + u] = four[u];
             }
-            _mm_storeu_ps(s + (size_t)q * CHUNK + j, reduce4(a[0], a[1], a[2], a[3]));
         }
     }
     for (int q = 0; q < nq; q++) { /* softmax pieces; scores past a query's last visible key become 0 */
@@ -958,25 +1013,26 @@ static void chunk_parts_h64(scratch_t *t, int nq, const uint16_t *K, const uint1
     }
     for (int g = 0; g < nq; g += PV_GROUP) { /* acc = sum_j p_j v_j, each value converted once per group */
         int gn = nq - g < PV_GROUP ? nq - g : PV_GROUP;
-        pv_any(s + (size_t)g * CHUNK, t->dst + g, gn, V, most);
+        pv_any(s + (size_t)g * CHUNK, t->dst + g, gn, seg, nseg, most);
     }
 }
 #endif
 
-/* Partials of `nq` query vectors over keys [c0, c0 + count) of one head of a range; query q
- * sees keys below lim[q]. */
-static void chunk_parts(const fwd_t *F, scratch_t *t, int nq, const char *kb, const char *vb, int c0, int count) {
+/* Partials of `nq` query vectors over the chunk of keys at [c0, c0 + count) of their sequence
+ * (in runs); query q sees the keys below lim[q]. */
+static void chunk_parts(const fwd_t *F, scratch_t *t, int nq, const seg_t *seg, int nseg, int c0, int count) {
     const sk_model *M = F->M;
     int dim = M->head_dim;
 #if SK_AVX512
     if (dim == 64 && M->kv_fp16) {
-        const uint16_t *K = (const uint16_t *)kb + (int64_t)c0 * 64, *V = (const uint16_t *)vb + (int64_t)c0 * 64;
-        chunk_parts_h64(t, nq, K, V, c0, count);
+        chunk_parts_h64(t, nq, seg, nseg, c0, count);
         return;
     }
 #endif
-    load_rows(kb, M->kv_fp16, c0, count, dim, t->kf);
-    load_rows(vb, M->kv_fp16, c0, count, dim, t->vf);
+    for (int r = 0, j0 = 0; r < nseg; j0 += seg[r].count, r++) {
+        load_rows(seg[r].k, M->kv_fp16, 0, seg[r].count, dim, t->kf + (size_t)j0 * dim);
+        load_rows(seg[r].v, M->kv_fp16, 0, seg[r].count, dim, t->vf + (size_t)j0 * dim);
+    }
     scores(t->qs, nq, t->kf, count, dim, t->s);
     for (int q = 0; q < nq; q++) {
         int visible = t->lim[q] - c0;
@@ -991,72 +1047,75 @@ static void chunk_parts(const fwd_t *F, scratch_t *t, int nq, const char *kb, co
     }
 }
 
+/* The chunk `c` of a sequence's keys (group ranges, then own) for one layer and kv head. */
+static int seq_chunk(const fwd_t *F, const sk_seq *s, int layer, int head, int c, seg_t *seg, int *nseg) {
+    const sk_plan *P = F->plan;
+    const sk_group *g = s->group >= 0 ? &P->groups[s->group] : NULL;
+    return chunk_segments(F, g ? &P->ranges[g->range0] : NULL, g ? g->nranges : 0, &s->own, s->start + s->n, layer,
+                          head, c * CHUNK, seg, nseg);
+}
+
 static void run_a(const fwd_t *F, const task_t *k, int layer, scratch_t *t) {
     const sk_model *M = F->M;
     const sk_plan *P = F->plan;
-    int G = M->heads / M->kv_heads, nq = 0, len;
-    const sk_range *r;
-    if (k->kind == A_GROUP) {
+    int G = M->heads / M->kv_heads, nq = 0, nseg, count;
+    seg_t seg[MAX_SEGS];
+    if (k->kind == A_GROUP) { /* a chunk wholly inside the group's ranges: every key visible */
         const sk_group *g = &P->groups[k->idx];
-        r = &P->ranges[g->range0 + k->range];
-        len = r->len;
-        int slot = F->range_slot[g->range0 + k->range] + k->chunk;
+        count = chunk_segments(F, &P->ranges[g->range0], g->nranges, NULL, 0, layer, k->head, k->chunk * CHUNK, seg,
+                               &nseg);
         for (int i = k->first; i < k->first + k->count; i++) {
             int row = F->group_rows[F->group_row0[k->idx] + i];
             for (int e = 0; e < G; e++) {
                 int head = k->head * G + e;
                 t->qs[nq] = q_vec(F, row, head);
-                t->lim[nq] = len;
-                t->dst[nq++] = part_at(F, row, slot, head);
+                t->lim[nq] = F->group_len[k->idx];
+                t->dst[nq++] = part_at(F, row, k->chunk, head);
             }
         }
     } else {
         const sk_seq *s = &P->seqs[k->idx];
-        r = &s->own;
-        len = s->start + s->n;
+        count = seq_chunk(F, s, layer, k->head, k->chunk, seg, &nseg);
         for (int i = 0; i < s->n; i++) {
             int row = s->row0 + i;
             for (int e = 0; e < G; e++) {
                 int head = k->head * G + e;
                 t->qs[nq] = q_vec(F, row, head);
-                t->lim[nq] = s->start + i + 1;
-                t->dst[nq++] = part_at(F, row, F->seq_group_slots[k->idx] + k->chunk, head);
+                t->lim[nq] = seq_before(F, s) + s->start + i + 1;
+                t->dst[nq++] = part_at(F, row, k->chunk, head);
             }
         }
     }
-    int c0 = k->chunk * CHUNK, count = len - c0 < CHUNK ? len - c0 : CHUNK;
-    chunk_parts(F, t, nq, range_base(r, layer, k->head, M->kv_fp16, 0), range_base(r, layer, k->head, M->kv_fp16, 1),
-                c0, count);
+    chunk_parts(F, t, nq, seg, nseg, k->chunk * CHUNK, count);
 }
 
 static void run_b(const fwd_t *F, const task_t *k, int layer, scratch_t *t) {
     const sk_model *M = F->M;
     const sk_seq *s = &F->plan->seqs[k->idx];
     int G = M->heads / M->kv_heads, dim = M->head_dim, nq = k->count * G, stride = dim + 2;
-    int gslots = F->seq_group_slots[k->idx], own = chunks_of(s->start + s->n);
+    int stored = seq_slots(F, s), before = seq_before(F, s);
     for (int q = 0; q < nq; q++) {
         float *st = t->state + (size_t)q * stride;
         st[0] = -INFINITY;
         st[1] = 0.0f;
         int row = s->row0 + k->first + q / G, head = k->head * G + q % G;
-        for (int slot = 0; slot < gslots + (is_split(s) ? own : 0); slot++) {
-            const float *p = part_at(F, row, slot, head);
+        for (int c = 0; c < stored; c++) {
+            const float *p = part_at(F, row, c, head);
             merge_into(&st[0], &st[1], st + 2, p[0], p[1], p + 2, dim);
         }
     }
-    if (!is_split(s)) {
-        int last = s->start + k->first + k->count; /* keys the tile's last row sees */
+    if (!is_split(s)) { /* the chunks after the shared ones, for this tile's rows */
+        int last = before + s->start + k->first + k->count; /* keys the tile's last row sees */
         for (int q = 0; q < nq; q++) {
             int i = k->first + q / G;
             t->qs[q] = q_vec(F, s->row0 + i, k->head * G + q % G);
-            t->lim[q] = s->start + i + 1;
+            t->lim[q] = before + s->start + i + 1;
             t->dst[q] = t->tmp + (size_t)q * stride;
         }
-        const char *kb = range_base(&s->own, layer, k->head, M->kv_fp16, 0);
-        const char *vb = range_base(&s->own, layer, k->head, M->kv_fp16, 1);
-        for (int c = 0; c < chunks_of(last); c++) {
-            int c0 = c * CHUNK, count = last - c0 < CHUNK ? last - c0 : CHUNK;
-            chunk_parts(F, t, nq, kb, vb, c0, count);
+        for (int c = stored; c < chunks_of(last); c++) {
+            seg_t seg[MAX_SEGS];
+            int nseg, count = seq_chunk(F, s, layer, k->head, c, seg, &nseg);
+            chunk_parts(F, t, nq, seg, nseg, c * CHUNK, count);
             for (int q = 0; q < nq; q++) {
                 float *st = t->state + (size_t)q * stride, *p = t->dst[q];
                 merge_into(&st[0], &st[1], st + 2, p[0], p[1], p + 2, dim);
@@ -1196,42 +1255,6 @@ static size_t ws_cap;
         off += ((size_t)(count) * sizeof(type) + ALIGN - 1) / ALIGN * ALIGN;                                     \
     } while (0)
 
-static int plan_sizes(const sk_model *M, const sk_plan *P, int rows, int32_t *seq_slots, int32_t *range_slot,
-                      int64_t *slot_total, int *na, int *nb) {
-    int G = M->heads / M->kv_heads;
-    (void)G;
-    int64_t slots = 0;
-    *na = 0;
-    *nb = 0;
-    for (int g = 0; g < P->ngroups; g++) {
-        int acc = 0, members = 0;
-        for (int s = 0; s < P->nseqs; s++)
-            if (P->seqs[s].group == g) members += P->seqs[s].n;
-        for (int r = 0; r < P->groups[g].nranges; r++) {
-            const sk_range *rg = &P->ranges[P->groups[g].range0 + r];
-            range_slot[P->groups[g].range0 + r] = acc;
-            acc += chunks_of(rg->len);
-            *na += chunks_of(rg->len) * M->kv_heads * ((members + GROUP_ROWS - 1) / GROUP_ROWS);
-        }
-    }
-    for (int s = 0; s < P->nseqs; s++) {
-        const sk_seq *q = &P->seqs[s];
-        int gs = 0;
-        if (q->group >= 0) {
-            const sk_group *g = &P->groups[q->group];
-            for (int r = 0; r < g->nranges; r++) gs += chunks_of(P->ranges[g->range0 + r].len);
-        }
-        seq_slots[s] = gs;
-        int own = is_split(q) ? chunks_of(q->start + q->n) : 0;
-        slots += (int64_t)q->n * (gs + own);
-        if (is_split(q)) *na += own * M->kv_heads;
-        *nb += M->kv_heads * ((q->n + ROW_TILE - 1) / ROW_TILE);
-    }
-    (void)rows;
-    *slot_total = slots;
-    return 0;
-}
-
 /* Run every layer for `rows` packed rows. h: [rows, hidden] (updated in place: the residual
  * stream); out: [rows, hidden] the final-normed hidden states (or NULL). Returns 0, or a
  * negative number when memory runs out or the plan is inconsistent. */
@@ -1249,19 +1272,29 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
     int G = M->heads / M->kv_heads, dim = M->head_dim, nth = POOL.nth;
     int most = GROUP_ROWS > ROW_TILE ? GROUP_ROWS : ROW_TILE;
     int qmax = G * (most > SPLIT_ROWS ? most : SPLIT_ROWS);
-    int32_t *seq_slots = malloc(sizeof(int32_t) * (P->nseqs + 1));
-    int nranges = 0;
-    for (int g = 0; g < P->ngroups; g++) {
-        int end = P->groups[g].range0 + P->groups[g].nranges;
-        nranges = end > nranges ? end : nranges;
-    }
-    int32_t *range_slot = malloc(sizeof(int32_t) * (nranges + 1));
-    if (!seq_slots || !range_slot) { free(seq_slots); free(range_slot); return -1; }
-    int64_t slot_total;
-    int na, nb;
-    plan_sizes(M, P, rows, seq_slots, range_slot, &slot_total, &na, &nb);
-
+    for (int g = 0; g < P->ngroups; g++)
+        if (P->groups[g].nranges < 0 || P->groups[g].nranges >= MAX_SEGS) return -3;
     fwd_t F = {.M = M, .plan = P, .rows = rows, .h = h, .out = out, .qmax = qmax};
+    int32_t group_len[P->ngroups + 1], group_members[P->ngroups + 1];
+    F.group_len = group_len;
+    for (int g = 0; g < P->ngroups; g++) {
+        group_len[g] = group_members[g] = 0;
+        for (int r = 0; r < P->groups[g].nranges; r++) group_len[g] += P->ranges[P->groups[g].range0 + r].len;
+    }
+    /* sizes: partial slots, tasks */
+    int64_t slot_total = 0;
+    int na = 0, nb = 0;
+    for (int s = 0; s < P->nseqs; s++) {
+        const sk_seq *q = &P->seqs[s];
+        if (q->row0 < 0 || q->n <= 0 || q->row0 + q->n > rows || q->group >= P->ngroups) return -3;
+        if (q->group >= 0) group_members[q->group] += q->n;
+        slot_total += (int64_t)q->n * seq_slots(&F, q);
+        if (is_split(q)) na += (chunks_of(seq_before(&F, q) + q->start + q->n) - seq_shared(&F, q)) * M->kv_heads;
+        nb += M->kv_heads * ((q->n + ROW_TILE - 1) / ROW_TILE);
+    }
+    for (int g = 0; g < P->ngroups; g++)
+        na += group_len[g] / CHUNK * M->kv_heads * ((group_members[g] + GROUP_ROWS - 1) / GROUP_ROWS);
+
     int wq = (M->heads + 2 * M->kv_heads) * dim, wa = M->heads * dim;
     size_t sf = 2 * CHUNK * dim + (size_t)qmax * CHUNK + 2 * (size_t)qmax * (dim + 2) + 5 * (size_t)qmax + 16;
     F.scratch_floats = (sf + 15) / 16 * 16;
@@ -1270,11 +1303,11 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
     need += (size_t)rows * M->hidden * 4 + (size_t)rows * wq * 4 + (size_t)rows * wa * 4 + (size_t)rows * 2 * M->inter * 4;
     for (int i = 0; i < 3; i++) need += act_bytes(act_k[i], rows) + ALIGN;
     need += (size_t)slot_total * M->heads * (dim + 2) * 4;
-    need += (size_t)rows * 8 + (size_t)P->nseqs * 4 + (size_t)(P->ngroups + 1) * 8 + (size_t)rows * 4;
+    need += (size_t)rows * 12 + (size_t)(P->ngroups + 1) * 8;
     need += (size_t)(na + nb + 2) * sizeof(task_t) + (size_t)M->layers * 2 * sizeof(atomic_int);
     need += (size_t)nth * F.scratch_floats * 4 + 32 * ALIGN;
     char *base = grow(&ws_buf, &ws_cap, need);
-    if (!base) { free(seq_slots); free(range_slot); return -1; }
+    if (!base) return -1;
     size_t off = 0;
     CARVE(F.norm, float, (size_t)rows * M->hidden);
     CARVE(F.qkv, float, (size_t)rows * wq);
@@ -1295,19 +1328,15 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
     CARVE(F.tasks_b, task_t, nb + 1);
     CARVE(F.next, atomic_int, (size_t)M->layers * 2);
     CARVE(F.scratch, float, (size_t)nth * F.scratch_floats);
-    F.seq_group_slots = seq_slots;
-    F.range_slot = range_slot;
 
-    /* rows -> sequences, slots; groups' rows */
+    /* rows -> sequences and partial slots; groups' rows */
     int64_t slot = 0;
     for (int s = 0; s < P->nseqs; s++) {
         const sk_seq *q = &P->seqs[s];
-        if (q->row0 < 0 || q->n <= 0 || q->row0 + q->n > rows) { free(seq_slots); free(range_slot); return -3; }
-        int per_row = seq_slots[s] + (is_split(q) ? chunks_of(q->start + q->n) : 0);
         for (int i = 0; i < q->n; i++) {
             F.row_seq[q->row0 + i] = s;
             F.row_slot0[q->row0 + i] = (int32_t)slot;
-            slot += per_row;
+            slot += seq_slots(&F, q);
         }
     }
     int filled = 0;
@@ -1318,34 +1347,29 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
                 for (int i = 0; i < P->seqs[s].n; i++) F.group_rows[filled++] = P->seqs[s].row0 + i;
         F.group_nrows[g] = filled - F.group_row0[g];
     }
-    /* tasks, longest first within each kind (chunks of one range come together) */
+    /* tasks */
     int ia = 0, ib = 0;
     for (int g = 0; g < P->ngroups; g++)
-        for (int r = 0; r < P->groups[g].nranges; r++) {
-            int len = P->ranges[P->groups[g].range0 + r].len;
-            for (int c = 0; c < chunks_of(len); c++)
-                for (int hd = 0; hd < M->kv_heads; hd++)
-                    for (int first = 0; first < F.group_nrows[g]; first += GROUP_ROWS) {
-                        int cnt = F.group_nrows[g] - first < GROUP_ROWS ? F.group_nrows[g] - first : GROUP_ROWS;
-                        F.tasks_a[ia++] = (task_t){A_GROUP, g, r, c, hd, first, cnt};
-                    }
-        }
+        for (int c = 0; c < group_len[g] / CHUNK; c++)
+            for (int hd = 0; hd < M->kv_heads; hd++)
+                for (int first = 0; first < F.group_nrows[g]; first += GROUP_ROWS) {
+                    int cnt = F.group_nrows[g] - first < GROUP_ROWS ? F.group_nrows[g] - first : GROUP_ROWS;
+                    F.tasks_a[ia++] = (task_t){A_GROUP, g, c, hd, first, cnt};
+                }
     for (int s = 0; s < P->nseqs; s++) {
         const sk_seq *q = &P->seqs[s];
         if (is_split(q))
-            for (int c = 0; c < chunks_of(q->start + q->n); c++)
-                for (int hd = 0; hd < M->kv_heads; hd++) F.tasks_a[ia++] = (task_t){A_OWN, s, 0, c, hd, 0, q->n};
+            for (int c = seq_shared(&F, q); c < chunks_of(seq_before(&F, q) + q->start + q->n); c++)
+                for (int hd = 0; hd < M->kv_heads; hd++) F.tasks_a[ia++] = (task_t){A_SEQ, s, c, hd, 0, q->n};
         for (int first = 0; first < q->n; first += ROW_TILE)
             for (int hd = 0; hd < M->kv_heads; hd++) {
                 int cnt = q->n - first < ROW_TILE ? q->n - first : ROW_TILE;
-                F.tasks_b[ib++] = (task_t){0, s, 0, 0, hd, first, cnt};
+                F.tasks_b[ib++] = (task_t){0, s, 0, hd, first, cnt};
             }
     }
     F.ntasks_a = ia;
     F.ntasks_b = ib;
     for (int i = 0; i < M->layers * 2; i++) atomic_init(&F.next[i], 0);
     run_job(forward_job, &F);
-    free(seq_slots);
-    free(range_slot);
     return 0;
 }

@@ -128,9 +128,9 @@ class World:
     """Caches for one runner: a pool with a shared system prompt and a session behind it, a
     private session, and forks over the private session's reading."""
 
-    def __init__(self, runner, prompt: list[int], reading: list[int]) -> None:
+    def __init__(self, runner, prompt: list[int], reading: list[int], pool_tokens: int = 1024) -> None:
         self.runner = runner
-        self.pool = BlockPool(runner.kv_shape, 64 * runner.kv_shape.bytes_per_token * 16, block_size=16)
+        self.pool = BlockPool(runner.kv_shape, pool_tokens * runner.kv_shape.bytes_per_token, block_size=16)
         prefix = self.pool.prefix_for(prompt)
         runner.forward([SeqStep(prefix, 0, prompt[:prefix.length])], logits="none")
         prefix.commit(prefix.length)
@@ -310,3 +310,38 @@ def test_a_forked_child_runs_the_kernels_on_its_own_threads():
         time.sleep(0.05)
     os.kill(pid, 9)
     pytest.fail("the forked child hung in the C kernels")
+
+
+@pytest.mark.parametrize("hidden", [64, 256])  # head_dim 16 (the generic attention path) and 64 (SIMD)
+def test_a_row_reads_the_same_however_its_keys_are_split_into_ranges(tokenizer, hidden):
+    """Chunks are cut by position in a row's whole key sequence, so a question read as a fork
+    over a session behind a shared prefix (flash), written past the session's length (asked),
+    and read statelessly with everything in one cache gives the same logits, bit for bit, and
+    the same greedy continuation. The session's 1,132 keys span two chunks of 1,024."""
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=24, hidden=hidden, heads=4, kv_heads=2)
+    prompt, reading, question = ids_of(37, 9), ids_of(1100, 10), ids_of(21, 11)
+    world = World(native, prompt, reading[:40], pool_tokens=2048)
+    world.step([SeqStep(world.paged, world.paged.length, reading[40:])], logits="none")
+    length = world.paged.length  # the pool prefix (the prompt's 32 tokens in full blocks), then the reading
+    assert length == 32 + len(reading)
+
+    def answer(first_logits, step):
+        """Four greedy tokens after the question, each step built by `step(position, token)`."""
+        tokens, logits = [], first_logits[-1]
+        for i in range(4):
+            tokens.append(int(logits.argmax()))
+            logits = native.forward([step(len(question) + i, tokens[-1])])[0]
+        return tokens, logits
+
+    fork = KVCache(native.kv_shape, 64)
+    reads = ((world.paged, length),)
+    as_fork = native.forward([SeqStep(fork, 0, question, prefixes=reads)], logits="all")[0]
+    fork_answer = answer(as_fork, lambda at, t: SeqStep(fork, at, [t], prefixes=reads))
+    asked = native.forward([SeqStep(world.paged, length, question)], logits="all")[0]
+    asked_answer = answer(asked, lambda at, t: SeqStep(world.paged, length + at, [t]))
+    fresh = native.new_cache(length + 64)
+    stateless = native.forward([SeqStep(fresh, 0, prompt[:32] + reading + question)], logits="all")[0]
+    stateless_answer = answer(stateless[-len(question):], lambda at, t: SeqStep(fresh, length + at, [t]))
+    assert torch.equal(as_fork, asked) and torch.equal(as_fork, stateless[-len(question):])
+    assert fork_answer[0] == asked_answer[0] == stateless_answer[0]
+    assert torch.equal(fork_answer[1], asked_answer[1]) and torch.equal(fork_answer[1], stateless_answer[1])

@@ -1,5 +1,6 @@
-"""Flash questions: batched evaluation equals on-demand answers, pushes only on change,
-hysteresis, stale evaluations never mislabelled, limits."""
+"""Flash questions: batched evaluation equals on-demand answers (on the fp32 oracle, and bit
+for bit on the native int4 stack), pushes only on change, hysteresis, stale evaluations never
+mislabelled, limits."""
 
 import time
 
@@ -17,6 +18,23 @@ QUESTIONS = ["Who keeps the light?", "What is the cat called?", "When does the b
              "How many barrels of oil?"]
 TEXT = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold comes on Tuesdays. ",
         "There are twelve barrels of oil. "]
+
+
+@pytest.fixture(scope="module")
+def native_tiny(tokenizer):
+    """A tiny int4 model on the native stack, head_dim 64 (its SIMD attention path)."""
+    from streamer.sessions.models import build_tiny_model
+    from streamer.sessions.runner import ModelRunner
+    from streamer.sessions.weights import apply_weights
+
+    lm = build_tiny_model(tokenizer, seed=1234, hidden=256, heads=4, kv_heads=2)
+    return ModelRunner(lm.model, tokenizer, lm.name, apply_weights(lm.model, "int4", native=True)), None
+
+
+@pytest.fixture(params=["tiny", "native_tiny"])
+def either(request):
+    """The fp32 tiny model (the oracle) and the native int4 stack."""
+    return request.getfixturevalue(request.param)
 
 
 def build(runner, chunks):
@@ -47,8 +65,8 @@ def on_demand(runner, session, question, max_tokens=12):
 
 
 @pytest.mark.parametrize("budget", [512, 9])
-def test_flash_answer_equals_on_demand_answer(tiny, budget):
-    runner, _ = tiny
+def test_flash_answer_equals_on_demand_answer(either, budget):
+    runner, _ = either
     session = build(runner, TEXT)
     before = session.cache.snapshot()
     questions = [flash_question(session, q, f"f{i}") for i, q in enumerate(QUESTIONS)]
@@ -61,8 +79,8 @@ def test_flash_answer_equals_on_demand_answer(tiny, budget):
     assert session.cache.snapshot().equal(before)  # forks never touch the session
 
 
-def test_batched_equals_single_evaluations(tiny):
-    runner, _ = tiny
+def test_batched_equals_single_evaluations(either):
+    runner, _ = either
     session = build(runner, TEXT[:3])
     questions = [flash_question(session, q, f"f{i}", max_tokens=8 + i) for i, q in enumerate(QUESTIONS)]
     batched = run_flash(runner, session, questions)
