@@ -103,3 +103,14 @@ def get_json(url):
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def require_native() -> None:
+    """Skip the calling test where streamer's C kernels cannot be built (no C compiler): the
+    service then runs int4/int8 on ATen's kernels, and these tests have nothing to check."""
+    import pytest
+
+    from streamer.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(f"the native CPU stack needs a C compiler: {cpu.unavailable_reason()}")

@@ -5,7 +5,7 @@ mislabelled, limits."""
 import time
 
 import pytest
-from helpers import Sync, driven, result, wait_until
+from helpers import Sync, driven, require_native, result, wait_until
 
 from streamer.sessions.errors import EngineError
 from streamer.sessions.flash import FlashAnswer, FlashJob, FlashQuestion, normalize
@@ -23,6 +23,7 @@ TEXT = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold 
 @pytest.fixture(scope="module")
 def native_tiny(tokenizer):
     """A tiny int4 model on the native stack, head_dim 64 (its SIMD attention path)."""
+    require_native()
     from streamer.sessions.models import build_tiny_model
     from streamer.sessions.runner import ModelRunner
     from streamer.sessions.weights import apply_weights

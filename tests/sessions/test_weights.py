@@ -13,6 +13,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from helpers import require_native
 from streamer.sessions.jobs import PrefillJob, ReviseJob, drive
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.query import QueryJob
@@ -48,6 +49,8 @@ def tiny_format(request, tokenizer):
     """A tiny seeded model in one format, and its stateless twin in the same format (None for the
     native stack: the runner itself, on a fresh cache, is its stateless twin)."""
     fmt, native = request.param
+    if native:
+        require_native()
     lm = build_tiny_model(tokenizer, seed=99)
     info = apply_weights(lm.model, fmt, native=native)
     runner = ModelRunner(lm.model, tokenizer, lm.name, info)
@@ -142,6 +145,7 @@ def test_outputs_do_not_depend_on_how_many_rows_run_together():
     """Each packed kernel computes a row alone: a token gets the same output in a step of 1 or 300."""
     from streamer.sessions.native import NativeLinear, quantize
 
+    require_native()
     torch.manual_seed(2)
     linear = nn.Linear(576, 192, bias=False)
     x = torch.randn(300, 576)
@@ -199,6 +203,8 @@ def test_fp32_leaves_the_model_untouched(tokenizer):
 def test_formats_read_fewer_bytes(tokenizer, native):
     from streamer.sessions.native import NativeLinear
 
+    if native:
+        require_native()
     sizes = {}
     for fmt in ("fp32", "bf16", "int8", "int4"):
         lm = build_tiny_model(tokenizer, seed=4)
@@ -284,6 +290,7 @@ def test_decode_rows_of_all_sessions_go_through_each_linear_as_one_gemm(tokenize
 def test_a_native_step_is_one_call_with_every_row(tokenizer):
     """On the native stack a step that decodes for three sessions is one call into C with three
     rows: every layer's linear layers see all of them together."""
+    require_native()
     lm = build_tiny_model(tokenizer, seed=5)
     runner = ModelRunner(lm.model, tokenizer, lm.name, apply_weights(lm.model, "int4", native=True))
     sessions = [_build(runner, [TEXT[:20 * (i + 1)]]) for i in range(3)]
@@ -311,6 +318,7 @@ def test_native_weights_are_the_q4_1_blocks_of_the_gguf(embedded):
     from streamer.sessions.native import quantize
     from streamer.sessions.weights import gguf_q4_1_linears
 
+    require_native()
     name = "model.layers.3.mlp.down_proj"
     codes, d, m = gguf_q4_1_linears(embedded.model, embedded_gguf_path())[name]
     linear = embedded.model.get_submodule(name)
