@@ -9,8 +9,10 @@ Building: the first use compiles the source with the system's C compiler (`$CC`,
 `gcc`; `-O3 -march=native`, a few seconds) into `<cache>/kernels/` (`$STREAMER_CACHE`, else
 `$XDG_CACHE_HOME/streamer`, else `~/.cache/streamer`), named by a hash of the source, the flags,
 the compiler and the CPU's features, so a later start loads it in milliseconds and a changed
-source or machine builds anew. Where no compiler exists, `available()` is False and says why
-(`unavailable_reason()`); callers fall back to ATen's kernels.
+source or machine builds anew. The build takes the fastest code path the CPU has: AVX-512 VNNI,
+else AVX2 (+FMA, F16C), else portable C. Where no compiler exists, or only the portable path
+would run (slower than ATen's kernels), `available()` is False and `unavailable_reason()` says
+why; callers then fall back to ATen's kernels.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "streamer_cpu.c"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
          "-fno-math-errno", "-Wall", "-Wno-unused-function")
-PORTABLE_FLAGS = ("-O2", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno",
-                  "-Wall", "-Wno-unused-function")  # no SIMD beyond the baseline: the portable C path
+VARIANTS = {  # the build this machine runs, and the other code paths (tests build them to check them here)
+    "native": FLAGS,
+    "avx2": (*FLAGS, "-mno-avx512f"),  # the AVX2 path (most laptops) on a CPU that also has AVX-512
+    "portable": ("-O2", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno",
+                 "-Wall", "-Wno-unused-function"),  # no SIMD beyond the baseline
+}
+SIMD = {2: "avx512-vnni", 1: "avx2", 0: "portable"}  # sk_simd()
 
 
 class KernelBuildError(RuntimeError):
@@ -116,21 +123,22 @@ def _compiler_version(cc: str) -> str:
         return ""
 
 
-def build(portable: bool = False) -> Path:
-    """The compiled library for this machine (compiled now if not cached). Raises
-    KernelBuildError with the compiler's message where it cannot be built."""
+def build(variant: str = "native") -> Path:
+    """The compiled library (compiled now if not cached): `native` for this machine, or another
+    code path (`VARIANTS`). Raises KernelBuildError with the compiler's message where it cannot
+    be built."""
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set $CC, or install gcc: apt-get install gcc)")
-    flags = PORTABLE_FLAGS if portable else FLAGS
+    flags = VARIANTS[variant]
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), _compiler_version(cc).encode(),
                                      _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"libstreamer_cpu-{'portable-' if portable else ''}{key}.so"
+    target = cache_dir() / f"libstreamer_cpu-{'' if variant == 'native' else variant + '-'}{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling streamer's CPU kernels (%s, one time, a few seconds) ...", "portable" if portable else "native")
+    log.info("compiling streamer's CPU kernels (%s, one time, a few seconds) ...", variant)
     started = time.monotonic()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -158,56 +166,52 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sk_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Plan), i32, P, P]
     lib.sk_forward.restype = i32
     lib.sk_profile.argtypes, lib.sk_profile.restype = [i32, P], i32
+    lib.sk_simd.argtypes, lib.sk_simd.restype = [], i32
     return lib
 
 
 _lock = threading.Lock()
-_libs: dict[bool, ctypes.CDLL] = {}
-_errors: dict[bool, str] = {}
+_libs: dict[str, ctypes.CDLL] = {}
+_errors: dict[str, str] = {}
 
 
-def load(portable: bool = False) -> ctypes.CDLL:
+def load(variant: str = "native") -> ctypes.CDLL:
     """The loaded library (built at first use). Raises KernelBuildError."""
     with _lock:
-        if portable in _libs:
-            return _libs[portable]
-        if portable in _errors:
-            raise KernelBuildError(_errors[portable])
+        if variant in _libs:
+            return _libs[variant]
+        if variant in _errors:
+            raise KernelBuildError(_errors[variant])
         try:
-            lib = _declare(ctypes.CDLL(str(build(portable))))
+            lib = _declare(ctypes.CDLL(str(build(variant))))
         except (KernelBuildError, OSError) as exc:
-            _errors[portable] = str(exc)
+            _errors[variant] = str(exc)
             raise KernelBuildError(str(exc)) from exc
-        _libs[portable] = lib
+        _libs[variant] = lib
         return lib
 
 
 def available() -> bool:
-    """Whether the C kernels can run here (building them if needed)."""
-    try:
-        load()
-    except KernelBuildError:
-        return False
-    return True
+    """Whether the C kernels build here and have a SIMD path for this CPU (the portable C path
+    is only for checking: ATen's kernels are faster than it)."""
+    return unavailable_reason() is None
 
 
 def unavailable_reason() -> str | None:
     try:
-        load()
+        lib = load()
     except KernelBuildError as exc:
         return str(exc)
+    if simd(lib) == "portable":
+        return ("this CPU has neither AVX2 (with FMA and F16C) nor AVX-512 VNNI: the portable C kernels decode "
+                "several times slower than ATen's")
     return None
 
 
 def simd(lib: ctypes.CDLL | None = None) -> str:
-    """Which code path the library was built with ("avx512-vnni" or "portable")."""
-    return "portable" if lib is not None and lib is _libs.get(True) else _simd_of_native()
-
-
-def _simd_of_native() -> str:
-    flags = _cpu_features().split()
-    wanted = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-    return "avx512-vnni" if all(f in flags for f in wanted) else "portable"
+    """Which code path a library (default: this machine's) was built with: "avx512-vnni",
+    "avx2" or "portable"."""
+    return SIMD[(lib or load()).sk_simd()]
 
 
 def set_threads(n: int, lib: ctypes.CDLL | None = None) -> int:

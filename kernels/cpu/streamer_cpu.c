@@ -40,9 +40,17 @@
 #else
 #define SK_AVX512 0
 #endif
+#if !SK_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SK_AVX2 1 /* most laptops: 8-lane vectors, vpmaddubsw for the integer dot products */
+#else
+#define SK_AVX2 0
+#endif
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
+
+/* Which code path this build has: 2 AVX-512 VNNI, 1 AVX2 (+FMA, F16C), 0 portable C. */
+int sk_simd(void) { return SK_AVX512 ? 2 : (SK_AVX2 ? 1 : 0); }
 
 #define QB 32           /* weights per quantization block */
 #define CHUNK 1024      /* keys per attention chunk (fixed: a row's result never depends on the batch) */
@@ -336,6 +344,28 @@ static void quantize_row(const float *x, const act_t *a, int r) {
         _mm_storeu_si128((__m128i *)qb, _mm512_cvtsepi32_epi8(ql));
         _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtsepi32_epi8(qh));
         sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+#elif SK_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4];
+        __m256 m = _mm256_setzero_ps();
+        for (int u = 0; u < 4; u++) {
+            v[u] = _mm256_loadu_ps(xb + 8 * u);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[u]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        for (int u = 0; u < 4; u++) {
+            int32_t q8[8];
+            _mm256_storeu_si256((__m256i *)q8, _mm256_cvtps_epi32(_mm256_mul_ps(v[u], vid)));
+            for (int e = 0; e < 8; e++) {
+                qb[8 * u + e] = (int8_t)q8[e];
+                sum += q8[e];
+            }
+        }
 #else
         float amax = 0.0f;
         for (int j = 0; j < QB; j++) {
@@ -406,6 +436,61 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
     for (int i = 0; i < rc; i++) {
         float v[COLS];
         _mm512_storeu_ps(v, acc[i]);
+        store_cols(y + (int64_t)(r0 + i) * ldy + g * COLS, v, bias, ncols, accumulate);
+    }
+}
+#elif SK_AVX2
+static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc,
+                                                       float *y, int64_t ldy, int accumulate) {
+    const int nb = W->k / QB, bits = W->bits, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
+    const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[MR][2];
+    for (int i = 0; i < rc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *u = base + (int64_t)b * bb;
+        for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7: bytes 32h .. 32h + 31 of each 64-byte chunk */
+            __m256i w[8];
+            if (bits == 8) { /* stored q + 128: the signed code, for the sign trick below */
+                for (int c = 0; c < 8; c++)
+                    w[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(u + 64 * c + 32 * h)), flip);
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(u + 64 * c + 32 * h));
+                    w[c] = _mm256_and_si256(raw, nib);
+                    w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                }
+            }
+            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + cb + 16 * h)));
+            __m256 mw = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + cb + 32 + 16 * h))) : dw;
+            for (int i = 0; i < rc; i++) {
+                const int32_t *xq = (const int32_t *)(act_q(X, r0 + i) + b * QB);
+                __m256i sum;
+                if (bits == 4) { /* 8 x (15 * 127 * 2) fits in 16 bits: one widening at the end */
+                    __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
+                    for (int c = 1; c < 8; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(xq[c])));
+                    sum = _mm256_madd_epi16(s16, ones);
+                } else { /* |q| * (x signed as q): no saturation (127 * 127 * 2 < 32768) */
+                    sum = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c++) {
+                        __m256i xv = _mm256_set1_epi32(xq[c]);
+                        __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w[c]), _mm256_sign_epi8(xv, w[c]));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+                    }
+                }
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(act_d(X, r0 + i)[b])),
+                                           acc[i][h]);
+                if (bits == 4) a = _mm256_fmadd_ps(mw, _mm256_set1_ps(act_s(X, r0 + i)[b]), a);
+                acc[i][h] = a;
+            }
+        }
+    }
+    int ncols = W->n - g * COLS < COLS ? W->n - g * COLS : COLS;
+    const float *bias = W->bias ? W->bias + g * COLS : NULL;
+    for (int i = 0; i < rc; i++) {
+        float v[COLS];
+        _mm256_storeu_ps(v, acc[i][0]);
+        _mm256_storeu_ps(v + 8, acc[i][1]);
         store_cols(y + (int64_t)(r0 + i) * ldy + g * COLS, v, bias, ncols, accumulate);
     }
 }
@@ -599,9 +684,37 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
+#if SK_AVX2
+/* exp512's polynomial on 8 lanes; 2^n through the exponent bits (n >= -126 after the clamp). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 static inline float exp_scalar(float x) {
 #if SK_AVX512
     return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x)));
+#elif SK_AVX2
+    return _mm256_cvtss_f32(exp256(_mm256_set1_ps(x)));
 #else
     return expf(x);
 #endif
@@ -678,6 +791,8 @@ static void load_rows(const void *src, int fp16, int64_t first, int count, int d
     int64_t total = (int64_t)count * dim, i = 0;
 #if SK_AVX512
     for (; i + 16 <= total; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif SK_AVX2
+    for (; i + 8 <= total; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
     for (; i < total; i++) out[i] = h2f(h[i]);
 }
@@ -724,6 +839,17 @@ static void scores(const float *const *qs, int nq, const float *kf, int count, i
             }
         return;
     }
+#elif SK_AVX2
+    if ((dim & 7) == 0) {
+        for (int q = 0; q < nq; q++)
+            for (int j = 0; j < count; j++) {
+                const float *kv = kf + (int64_t)j * dim;
+                __m256 a = _mm256_setzero_ps();
+                for (int d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs[q] + d), _mm256_loadu_ps(kv + d), a);
+                s[q * CHUNK + j] = hsum256(a);
+            }
+        return;
+    }
 #endif
     for (int q = 0; q < nq; q++)
         for (int j = 0; j < count; j++) {
@@ -765,6 +891,33 @@ static void chunk_softmax(float *sq, int visible, const float *vf, int dim, floa
             for (int u = 0; u < nv; u++) a[u] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vv + 16 * u), a[u]);
         }
         for (int u = 0; u < nv; u++) _mm512_storeu_ps(acc + 16 * u, a[u]);
+        *m_out = mx;
+        *l_out = l;
+        return;
+    }
+#elif SK_AVX2
+    __m256 vm = _mm256_set1_ps(mx), vl = _mm256_setzero_ps();
+    for (; j < visible; j += 8) { /* a tail goes through the same lanes, zero-padded */
+        float buf[8] = {0};
+        int n = visible - j < 8 ? visible - j : 8;
+        memcpy(buf, sq + j, (size_t)n * 4);
+        __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(buf), vm));
+        _mm256_storeu_ps(buf, p);
+        for (int e = n; e < 8; e++) buf[e] = 0.0f;
+        memcpy(sq + j, buf, (size_t)n * 4);
+        vl = _mm256_add_ps(vl, _mm256_loadu_ps(buf));
+    }
+    l = hsum256(vl);
+    if ((dim & 7) == 0 && dim <= 256) {
+        __m256 a[32];
+        int nv = dim / 8;
+        for (int u = 0; u < nv; u++) a[u] = _mm256_setzero_ps();
+        for (int t = 0; t < visible; t++) {
+            __m256 p = _mm256_set1_ps(sq[t]);
+            const float *vv = vf + (int64_t)t * dim;
+            for (int u = 0; u < nv; u++) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * u), a[u]);
+        }
+        for (int u = 0; u < nv; u++) _mm256_storeu_ps(acc + 8 * u, a[u]);
         *m_out = mx;
         *l_out = l;
         return;
@@ -1151,6 +1304,9 @@ static void store_kv(void *dst, int fp16, const float *src, int dim) {
 #if SK_AVX512
     for (; d + 16 <= dim; d += 16)
         _mm256_storeu_si256((__m256i *)(h + d), _mm512_cvtps_ph(_mm512_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif SK_AVX2
+    for (; d + 8 <= dim; d += 8)
+        _mm_storeu_si128((__m128i *)(h + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
     for (; d < dim; d++) h[d] = f2h(src[d]);
 }
@@ -1191,6 +1347,13 @@ static void silu_mul(float *g, const float *u, int n) {
         __m512 x = _mm512_loadu_ps(g + i);
         __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
         _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+#elif SK_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
     }
 #endif
     for (; i < n; i++) g[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];

@@ -10,7 +10,8 @@
   it equals a reference whose keys and values are rounded to fp16.
 - Batch invariance: a sequence gets bit for bit the same logits and cache alone or in a step
   with others, and with one thread or two.
-- The portable C build (no SIMD) agrees with the native one; a missing compiler is a clear error.
+- Every code path (AVX-512 VNNI, AVX2, portable C: each built here with its flags) computes the
+  same arithmetic and keeps these properties; a missing compiler is a clear error.
 """
 
 import ctypes
@@ -49,11 +50,31 @@ def reference_linear(x: torch.Tensor, bits: int, codes: torch.Tensor, d: torch.T
 
 
 SHAPES = [(48, 64), (96, 576), (100, 96), (20, 160), (36, 224), (40, 32), (6, 1536), (3, 128)]
+PATHS = ["native", "avx2", "portable"]  # kernels/cpu.py VARIANTS
 
 
+def path_lib(name: str):
+    """The library of one code path, built here (the AVX2 one only where the CPU has AVX2)."""
+    try:
+        lib = ck.load(name)
+    except ck.KernelBuildError as exc:
+        pytest.skip(f"the {name} build fails here: {exc}")
+    if name == "avx2" and ck.simd(lib) != "avx2":
+        pytest.skip("this CPU has no AVX2 (with FMA and F16C)")
+    return lib
+
+
+def linear_with(lib, matrix: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], matrix.n)
+    assert lib.sk_linear(ctypes.byref(matrix.c), x.data_ptr(), x.shape[0], matrix.k, y.data_ptr(), matrix.n) == 0
+    return y
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_the_linear_kernel_computes_its_arithmetic(bits, n, k):
+def test_the_linear_kernel_computes_its_arithmetic(bits, n, k, path):
+    lib = path_lib(path)
     torch.manual_seed(n * k + bits)
     w = torch.randn(n, k) * 0.05
     bias = torch.randn(n) if n % 2 else None
@@ -64,28 +85,29 @@ def test_the_linear_kernel_computes_its_arithmetic(bits, n, k):
         codes, d, m = quantize_q4_1(w)
     matrix = QuantMatrix.pack(bits, codes, d, m, bias)
     x = torch.randn(7, k) * 3
-    got = matrix(x)
+    got = linear_with(lib, matrix, x)
     want = reference_linear(x, bits, codes, d, m, bias)
     assert (got - want).abs().max().item() <= 2e-6 * max(1.0, want.abs().max().item())
     exact = x @ w.T + (0 if bias is None else bias)
     assert (got - exact).norm() <= 0.15 * exact.norm()  # and it is the float layer, to 4 or 8 bits
 
 
-def test_a_row_never_depends_on_the_others_or_the_threads():
+@pytest.mark.parametrize("path", PATHS)
+def test_a_row_never_depends_on_the_others_or_the_threads(path):
     torch.manual_seed(3)
     linear = torch.nn.Linear(576, 200, bias=False)
     x = torch.randn(300, 576)
-    lib = ck.load()
+    lib = path_lib(path)
     threads = lib.sk_threads()
     try:
         for bits in (4, 8):
             matrix = quantize([linear], bits)
             lib.sk_set_threads(2)
-            full = matrix(x)
+            full = linear_with(lib, matrix, x)
             for lo, hi in ((0, 1), (5, 8), (17, 81), (299, 300)):
-                assert torch.equal(matrix(x[lo:hi]), full[lo:hi])
+                assert torch.equal(linear_with(lib, matrix, x[lo:hi]), full[lo:hi])
             lib.sk_set_threads(1)
-            assert torch.equal(matrix(x), full)
+            assert torch.equal(linear_with(lib, matrix, x), full)
     finally:
         lib.sk_set_threads(threads)
 
@@ -104,13 +126,15 @@ def test_views_of_a_fused_matrix_are_its_rows():
 # ---- the decoder stack ------------------------------------------------------------------------
 
 
-def tiny_runners(tokenizer, kv_dtype, seed=21, **shape):
-    """The same int4 model twice: on the native stack with `kv_dtype`, and through the Hugging
-    Face forward (same C linear layers) with the torch reference attention on an fp32 cache."""
+def tiny_runners(tokenizer, kv_dtype, seed=21, path="native", **shape):
+    """The same int4 model twice: on the native stack with `kv_dtype` (its layers on the code
+    path `path`), and through the Hugging Face forward (same C linear layers) with the torch
+    reference attention on an fp32 cache."""
     lm = build_tiny_model(tokenizer, seed=seed, **shape)
     info = apply_weights(lm.model, "int4", native=True)
     native = ModelRunner(lm.model, tokenizer, lm.name, info)
     native.native = NativeStack(lm.model, kv_dtype)
+    native.native.lib = path_lib(path)
     s = native.kv_shape
     native.kv_shape = KVShape(s.layers, s.kv_heads, s.head_dim, kv_dtype, s.device)
     ref = ModelRunner(lm.model, tokenizer, lm.name, info)
@@ -167,9 +191,10 @@ def close_rows(got: torch.Tensor, want: torch.Tensor, share: float = 0.9) -> Non
     assert err.max().item() <= 0.05
 
 
-def test_the_stack_equals_the_model_with_reference_attention(tokenizer):
+@pytest.mark.parametrize("path", PATHS)
+def test_the_stack_equals_the_model_with_reference_attention(tokenizer, path):
     """fp32 cache: only the order of float operations differs from the torch reference."""
-    native, ref = tiny_runners(tokenizer, torch.float32, layers=1)
+    native, ref = tiny_runners(tokenizer, torch.float32, layers=1, path=path)
     prompt, reading = ids_of(37, 1), ids_of(300, 2)
     worlds = [World(r, prompt, reading) for r in (native, ref)]
     for _ in range(2):  # the second step decodes and extends every fork
@@ -180,10 +205,11 @@ def test_the_stack_equals_the_model_with_reference_attention(tokenizer):
         assert (a - b).abs().max().item() <= 1e-5
 
 
-def test_a_sequence_reads_the_same_alone_or_batched(tokenizer):
+@pytest.mark.parametrize("path", ["native", "avx2"])
+def test_a_sequence_reads_the_same_alone_or_batched(tokenizer, path):
     """Logits and caches bit for bit: each sequence of a mixed step, run alone on a copy of the
     world, equals itself in the batch; and one thread equals two."""
-    native, _ = tiny_runners(tokenizer, torch.float16, seed=22, hidden=256, heads=4, kv_heads=2)
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=22, path=path, hidden=256, heads=4, kv_heads=2)
     prompt, reading = ids_of(37, 3), ids_of(300, 4)
     batched = World(native, prompt, reading)
     together = batched.step(batched.mixed_step(reading))
@@ -192,7 +218,7 @@ def test_a_sequence_reads_the_same_alone_or_batched(tokenizer):
         seqs = alone.mixed_step(reading)
         (out,) = alone.step([seqs[i]])
         assert torch.equal(out, together[i]), i
-    lib = ck.load()
+    lib = native.native.lib
     threads = lib.sk_threads()
     try:
         lib.sk_set_threads(1)
@@ -212,8 +238,9 @@ def _fp16_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2), None
 
 
+@pytest.mark.parametrize("path", ["native", "avx2"])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_the_fp16_cache_equals_a_reference_with_fp16_keys_and_values(tokenizer, head_dim):
+def test_the_fp16_cache_equals_a_reference_with_fp16_keys_and_values(tokenizer, head_dim, path):
     """One layer (so a rounding flip in one row's int8 activations cannot reach the others),
     head_dim 64 (the SIMD path) and 16 (the generic one)."""
     from transformers import AttentionInterface
@@ -221,7 +248,8 @@ def test_the_fp16_cache_equals_a_reference_with_fp16_keys_and_values(tokenizer, 
 
     AttentionInterface.register("streamer_test_fp16kv", _fp16_attention)
     AttentionMaskInterface.register("streamer_test_fp16kv", lambda *a, **k: None)
-    native, _ = tiny_runners(tokenizer, torch.float16, seed=23, layers=1, hidden=4 * head_dim, heads=4, kv_heads=2)
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=23, path=path, layers=1, hidden=4 * head_dim, heads=4,
+                             kv_heads=2)
     ids = ids_of(600, 5)
     cache = native.new_cache(1024)
     got = native.forward([SeqStep(cache, 0, ids)], logits="all")[0]
@@ -233,20 +261,6 @@ def test_the_fp16_cache_equals_a_reference_with_fp16_keys_and_values(tokenizer, 
     finally:
         model.set_attn_implementation("streamer_cache")
     close_rows(got, want, 0.85)
-
-
-def test_the_portable_build_agrees_with_the_native_one():
-    try:
-        portable = ck.load(portable=True)
-    except ck.KernelBuildError as exc:
-        pytest.skip(f"no portable build: {exc}")
-    torch.manual_seed(6)
-    for bits in (4, 8):
-        matrix = quantize([torch.nn.Linear(224, 40)], bits)
-        x = torch.randn(5, 224)
-        y = torch.empty(5, 40)
-        assert portable.sk_linear(ctypes.byref(matrix.c), x.data_ptr(), 5, 224, y.data_ptr(), 40) == 0
-        assert (y - matrix(x)).abs().max().item() <= 1e-5 * matrix(x).abs().max().item()
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
@@ -312,13 +326,14 @@ def test_a_forked_child_runs_the_kernels_on_its_own_threads():
     pytest.fail("the forked child hung in the C kernels")
 
 
+@pytest.mark.parametrize("path", ["native", "avx2"])
 @pytest.mark.parametrize("hidden", [64, 256])  # head_dim 16 (the generic attention path) and 64 (SIMD)
-def test_a_row_reads_the_same_however_its_keys_are_split_into_ranges(tokenizer, hidden):
+def test_a_row_reads_the_same_however_its_keys_are_split_into_ranges(tokenizer, hidden, path):
     """Chunks are cut by position in a row's whole key sequence, so a question read as a fork
     over a session behind a shared prefix (flash), written past the session's length (asked),
     and read statelessly with everything in one cache gives the same logits, bit for bit, and
     the same greedy continuation. The session's 1,132 keys span two chunks of 1,024."""
-    native, _ = tiny_runners(tokenizer, torch.float16, seed=24, hidden=hidden, heads=4, kv_heads=2)
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=24, path=path, hidden=hidden, heads=4, kv_heads=2)
     prompt, reading, question = ids_of(37, 9), ids_of(1100, 10), ids_of(21, 11)
     world = World(native, prompt, reading[:40], pool_tokens=2048)
     world.step([SeqStep(world.paged, world.paged.length, reading[40:])], logits="none")
