@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 QB = 32
 MAX_RANGES = 16  # read-only ranges a sequence may read (streamer_cpu.c MAX_SEGS - 1)
+MAX_GROUP = 32  # query heads per kv head (streamer_cpu.c MAX_Q / GROUP_ROWS)
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -178,6 +179,8 @@ def native_unsupported(model: nn.Module) -> str | None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     if heads % kv_heads or (kv_heads * head_dim) % QuantMatrix.COLS:
         return f"head_dim {head_dim} x kv heads {kv_heads} not a multiple of {QuantMatrix.COLS} (heads {heads})"
+    if heads // kv_heads > MAX_GROUP:
+        return f"{heads // kv_heads} query heads per kv head (the native stack takes {MAX_GROUP})"
     for size in (cfg.hidden_size, heads * head_dim, cfg.intermediate_size):
         if size % QB:
             return f"a layer width ({size}) that is not a multiple of {QB}"

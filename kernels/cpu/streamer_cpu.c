@@ -1435,6 +1435,7 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
     int G = M->heads / M->kv_heads, dim = M->head_dim, nth = POOL.nth;
     int most = GROUP_ROWS > ROW_TILE ? GROUP_ROWS : ROW_TILE;
     int qmax = G * (most > SPLIT_ROWS ? most : SPLIT_ROWS);
+    if (qmax > MAX_Q) return -3; /* more query heads per kv head than a task's arrays hold */
     for (int g = 0; g < P->ngroups; g++)
         if (P->groups[g].nranges < 0 || P->groups[g].nranges >= MAX_SEGS) return -3;
     fwd_t F = {.M = M, .plan = P, .rows = rows, .h = h, .out = out, .qmax = qmax};

@@ -126,11 +126,11 @@ def test_views_of_a_fused_matrix_are_its_rows():
 # ---- the decoder stack ------------------------------------------------------------------------
 
 
-def tiny_runners(tokenizer, kv_dtype, seed=21, path="native", **shape):
+def tiny_runners(tokenizer, kv_dtype, seed=21, path="native", model=None, **shape):
     """The same int4 model twice: on the native stack with `kv_dtype` (its layers on the code
     path `path`), and through the Hugging Face forward (same C linear layers) with the torch
-    reference attention on an fp32 cache."""
-    lm = build_tiny_model(tokenizer, seed=seed, **shape)
+    reference attention on an fp32 cache. `model`: another tiny model than the Llama."""
+    lm = build_tiny_model(tokenizer, seed=seed, **shape) if model is None else model
     info = apply_weights(lm.model, "int4", native=True)
     native = ModelRunner(lm.model, tokenizer, lm.name, info)
     native.native = NativeStack(lm.model, kv_dtype)
@@ -360,3 +360,48 @@ def test_a_row_reads_the_same_however_its_keys_are_split_into_ranges(tokenizer, 
     assert torch.equal(as_fork, asked) and torch.equal(as_fork, stateless[-len(question):])
     assert fork_answer[0] == asked_answer[0] == stateless_answer[0]
     assert torch.equal(fork_answer[1], asked_answer[1]) and torch.equal(fork_answer[1], stateless_answer[1])
+
+
+def tiny_family(tokenizer, kind: str):
+    """A seeded one-layer model of another family the native stack runs: Qwen2 (q/k/v biases),
+    Qwen3 (per-head q/k norms), Mistral."""
+    import transformers
+
+    from streamer.sessions.models import LoadedModel
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+    if kind == "qwen3":
+        common["head_dim"] = 16
+    if kind == "mistral":
+        common["sliding_window"] = None
+    config = getattr(transformers, {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}[kind])(**common)
+    torch.manual_seed(40)
+    cls = getattr(transformers, {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                 "mistral": "MistralForCausalLM"}[kind])
+    model = cls(config).eval()
+    if kind == "qwen2":  # random biases, so a dropped one would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    if kind == "qwen3":
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.3)
+            torch.nn.init.normal_(layer.self_attn.k_norm.weight, mean=1.0, std=0.3)
+    return LoadedModel(model, tokenizer, f"tiny-{kind}")
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
+def test_the_stack_runs_the_other_families(tokenizer, kind):
+    """Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Mistral on the native stack equal
+    their Hugging Face forward over the same linear layers (fp32 cache), prefill and decode."""
+    native, ref = tiny_runners(tokenizer, torch.float32, model=tiny_family(tokenizer, kind))
+    ids = ids_of(120, 12)
+    outs = []
+    for runner in (native, ref):
+        cache = runner.new_cache(256)
+        rows = [runner.forward([SeqStep(cache, 0, ids[:100])], logits="all")[0]]
+        for i in range(100, 120):
+            rows.append(runner.forward([SeqStep(cache, i, [ids[i]])], logits="all")[0])
+        outs.append(torch.cat(rows))
+    close_rows(outs[0], outs[1])
