@@ -8,7 +8,8 @@ import json
 import time
 from pathlib import Path
 
-from streamer.cliargs import CliError, fail, nonnegative_float, nonnegative_int, positive_int, read_text, ws_url
+from streamer.cliargs import (CliError, bounded, fail, nonnegative_float, nonnegative_int, positive_int, read_text,
+                              ws_url)
 
 from .client import StreamerClient, StreamerError
 
@@ -17,6 +18,30 @@ DEFAULT_URL = "ws://127.0.0.1:8765"
 
 def url_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", type=ws_url, default=DEFAULT_URL, help="service URL (default: %(default)s)")
+
+
+ANSWER_FLAGS = (
+    ("repetition_penalty", bounded(float, 0.0, 10.0, above=True),
+     "scale down tokens the answer already produced, in (0, 10] (default: 1, off)"),
+    ("presence_penalty", bounded(float, -2.0, 2.0), "subtract once from tokens the answer produced, in [-2, 2] (default: 0)"),
+    ("frequency_penalty", bounded(float, -2.0, 2.0),
+     "subtract per time a token was produced, in [-2, 2] (default: 0; `streamer demo` uses 0.3)"),
+    ("end_bias", bounded(float, -10.0, 10.0),
+     "add to the end-of-answer tokens' logits, in [-10, 10]: above 0 answers end sooner "
+     "(default: 0; `streamer demo` uses 3)"),
+)
+
+
+def answer_arguments(parser: argparse.ArgumentParser) -> None:
+    """--repetition-penalty, --presence-penalty, --frequency-penalty, --end-bias (docs/protocol.md,
+    "Penalties"); unset ones are not sent, so the service's defaults (off) apply."""
+    for name, kind, help_text in ANSWER_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+
+
+def answer_options(args: argparse.Namespace) -> dict:
+    """The answer flags that were given, as query.create / flash.register fields."""
+    return {name: getattr(args, name) for name, _, _ in ANSWER_FLAGS if getattr(args, name, None) is not None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--thinking", choices=["off", "interleaved", "dual"], default=None,
                         help="think while reading; notes are printed as they are written")
     stream.add_argument("--json", action="store_true", help="print one JSON object per event instead of text")
+    answer_arguments(stream)
     from .media import add_arguments as media_arguments
 
     media_arguments(sub.add_parser("media", help="stream a video, audio or image file (or a camera or microphone) "
@@ -52,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     url_argument(ask)
     ask.add_argument("--context", type=Path, default=None, help="UTF-8 text file to read first ('-' for stdin)")
     ask.add_argument("--max-tokens", type=positive_int, default=64, help="answer token limit (default: %(default)s)")
+    answer_arguments(ask)
 
 
 def chunks_of(text: str, size: int) -> list[str]:
@@ -74,7 +101,7 @@ async def stream_file(args: argparse.Namespace) -> int:
     pieces = chunks_of(text, args.chunk_chars)
     emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
     async with await StreamerClient.connect(args.url) as client:
-        flash = [{"question": q} for q in args.flash] or None
+        flash = [{"question": q, **answer_options(args)} for q in args.flash] or None
         thinking = {"mode": args.thinking} if args.thinking else None
         session = await client.create_session(args.system_prompt, flash=flash, thinking=thinking)
         _say(emit, f"session {session.id} on {session.model}", event="session", session_id=session.id)
@@ -132,7 +159,7 @@ async def _print_events(client, emit) -> None:
 
 async def _ask_all(session, args, emit) -> None:
     for question in args.ask:
-        answer = await session.ask(question, max_tokens=args.max_tokens)
+        answer = await session.ask(question, max_tokens=args.max_tokens, **answer_options(args))
         t = answer.timing
         _say(emit, f"Q [{answer.context_tokens} tokens read]: {question}\n"
                    f"A: {answer.text.strip()}\n   first token {t['first_token_ms']:.0f} ms, "
@@ -156,7 +183,7 @@ async def ask_once(args: argparse.Namespace) -> int:
         session = await client.create_session()
         for piece in chunks_of(context, 2000):
             await session.append(piece)
-        stream = await session.ask_stream(args.question, max_tokens=args.max_tokens)
+        stream = await session.ask_stream(args.question, max_tokens=args.max_tokens, **answer_options(args))
         async for delta in stream:
             print(delta, end="", flush=True)
         print()

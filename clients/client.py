@@ -142,7 +142,7 @@ class Session:
 
     async def ask_stream(self, question: str, **options: Any) -> QueryStream:
         """Start a question; returns its stream at once (options: max_tokens, temperature,
-        top_p, top_k, seed, stop, repetition_penalty, presence_penalty, frequency_penalty)."""
+        top_p, top_k, seed, stop, repetition_penalty, presence_penalty, frequency_penalty, end_bias)."""
         query_id = options.pop("query_id", None) or f"c{next(self.client._ids)}"
         stream = QueryStream(self, query_id)
         self.client._streams[(self.id, query_id)] = stream
@@ -160,7 +160,7 @@ class Session:
 
     async def register_flash(self, question: str, **options: Any) -> dict:
         """Register a flash question (options: flash_id, max_tokens, priority, min_interval_ms,
-        confirm, repetition_penalty, presence_penalty, frequency_penalty); its `flash.updated` events arrive on `client.events()`."""
+        confirm, repetition_penalty, presence_penalty, frequency_penalty, end_bias); its `flash.updated` events arrive on `client.events()`."""
         msg = command("flash.register", session_id=self.id, question=question, **options)
         return (await self.client.request(msg))["flash"]
 

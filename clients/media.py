@@ -32,7 +32,7 @@ PASSTHROUGH = {".webm": "webm", ".mkv": "webm", ".ts": "mpegts", ".m2ts": "mpegt
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a video, audio or image file; or a device with --device-format "
                                        "(e.g. /dev/video0 with v4l2, 'default' with alsa or pulse)")
-    from .cli import url_argument
+    from .cli import answer_arguments, url_argument
 
     url_argument(parser)
     parser.add_argument("--realtime", action="store_true", help="pace the stream by its media time (live)")
@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=positive_int, default=None, metavar="TOKENS",
                         help="bound the session's cache to this many tokens (sinks + recent inputs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event")
+    answer_arguments(parser)
 
 
 # ---- sources: (kind, format, payload, media time in seconds, extra header fields) -------------
@@ -266,6 +267,8 @@ def _camera(container, fps: float):
 
 
 async def stream_media(args: argparse.Namespace) -> int:
+    from .cli import answer_options
+
     emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
     if args.device_format:
         pieces = device_pieces(args.source, args.device_format, args.fps)
@@ -289,7 +292,7 @@ async def stream_media(args: argparse.Namespace) -> int:
         _say(emit, f"sent {sent} media frames; media state: {json.dumps(media)}", event="done", sent=sent,
              media=media, tokens=state["tokens"])
         for question in args.ask:
-            answer = await session.ask(question, max_tokens=args.max_tokens)
+            answer = await session.ask(question, max_tokens=args.max_tokens, **answer_options(args))
             _say(emit, f"Q: {question}\nA: {answer.text.strip()}", event="answer", question=question,
                  text=answer.text)
         await session.close()

@@ -229,7 +229,7 @@ class FlashJob(Job):
             self._finish()
 
     def _take(self, f: _Fork, logits: torch.Tensor) -> None:
-        logits = f.q.penalties.apply(logits, f.generated)
+        logits = f.q.penalties.apply(logits, f.generated, self.stop_ids)
         token = int(torch.argmax(logits))
         probs = torch.softmax(logits.float(), dim=-1)
         if not f.generated:
@@ -422,7 +422,7 @@ def register(core, session_id: str, question: str, flash_id: str | None = None, 
              priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1, **penalties: float) -> dict:
     """Register a flash question; returns its state. It is evaluated in idle time after every
     data update, and `flash.updated` goes to the session's listeners on a change. `penalties`:
-    repetition_penalty, presence_penalty, frequency_penalty (sampling.Penalties)."""
+    repetition_penalty, presence_penalty, frequency_penalty, end_bias (sampling.Penalties)."""
     session = core.live(session_id)
     q = new_question(core, session, question, flash_id, max_tokens, priority, min_interval_s, confirm, **penalties)
     session.flash[q.flash_id] = q

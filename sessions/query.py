@@ -76,7 +76,7 @@ class QueryJob(Job):
         self.query_id = query_id
         self.question_ids = session.question_ids(question)
         self.params = params
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, stop_ids)
         self.stop_ids = stop_ids
         self.on_delta = on_delta
         self.cancelled = cancelled or threading.Event()

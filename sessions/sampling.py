@@ -2,33 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import Code, InvalidRequest
 
-PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "end_bias")
 
 
 @dataclass(frozen=True, slots=True)
 class Penalties:
     """Penalties on tokens the answer has already produced (its own tokens only: the context and
-    the question are not penalized, so an answer stays free to quote what it read).
+    the question are not penalized, so an answer stays free to quote what it read), and a bias
+    on ending the answer.
 
     repetition_penalty (CTRL, as in transformers): a seen token's logit is divided by it when
     positive, multiplied when negative; 1 is off. presence_penalty is subtracted once from every
     seen token's logit, frequency_penalty once per time it was seen (OpenAI's definitions); 0 is off.
+    end_bias is added at every step to the logits of the tokens that end an answer (the model's
+    end-of-turn ids): above 0 an answer ends sooner (a small model stops after the sentence that
+    answers instead of inventing more), below 0 later; 0 is off.
     """
 
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    end_bias: float = 0.0
 
     @property
     def active(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.end_bias != 0.0)
 
     def validate(self) -> None:
         if not 0.0 < self.repetition_penalty <= 10.0:
@@ -38,17 +44,27 @@ class Penalties:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
+        if not -10.0 <= self.end_bias <= 10.0:
+            raise InvalidRequest(f"end_bias must be in [-10, 10], got {self.end_bias}", param="end_bias")
 
-    def apply(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
-        """The logits with the penalties for `generated` applied (a new tensor; the input is kept)."""
-        if not self.active or not generated:
+    def apply(self, logits: torch.Tensor, generated: Sequence[int],
+              end_ids: Collection[int] = ()) -> torch.Tensor:
+        """The logits with the penalties for `generated` and the bias on `end_ids` (the stop
+        ids) applied (a new tensor; the input is kept)."""
+        counted = bool(generated) and (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                                       or self.frequency_penalty != 0.0)
+        bias = self.end_bias != 0.0 and bool(end_ids)
+        if not counted and not bias:
             return logits
-        ids, counts = torch.unique(torch.tensor(list(generated), device=logits.device), return_counts=True)
         out = logits.float().clone()
-        seen = out[ids]
-        if self.repetition_penalty != 1.0:
-            seen = torch.where(seen > 0, seen / self.repetition_penalty, seen * self.repetition_penalty)
-        out[ids] = seen - self.presence_penalty - self.frequency_penalty * counts.float()
+        if counted:
+            ids, counts = torch.unique(torch.tensor(list(generated), device=logits.device), return_counts=True)
+            seen = out[ids]
+            if self.repetition_penalty != 1.0:
+                seen = torch.where(seen > 0, seen / self.repetition_penalty, seen * self.repetition_penalty)
+            out[ids] = seen - self.presence_penalty - self.frequency_penalty * counts.float()
+        if bias:
+            out[sorted(end_ids)] += self.end_bias
         return out
 
     def public(self) -> dict:
@@ -68,10 +84,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    end_bias: float = 0.0
 
     @property
     def penalties(self) -> Penalties:
-        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.end_bias)
 
     def validate(self, limit: int) -> None:
         if self.max_tokens > limit:
@@ -91,9 +108,10 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, stop_ids: Collection[int] = ()) -> None:
         self.params = params
         self.penalties = params.penalties
+        self.stop_ids = stop_ids
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator()
@@ -105,7 +123,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, generated: Sequence[int] = ()) -> int:
         """The next token; `generated` (the answer so far) is what the penalties count."""
         p = self.params
-        logits = self.penalties.apply(logits, generated)
+        logits = self.penalties.apply(logits, generated, self.stop_ids)
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits.float() / p.temperature

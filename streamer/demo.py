@@ -59,9 +59,10 @@ async def _stream_and_ask(url: str, text: str, questions: list[dict], chunk_char
           "once, as it arrived.")
 
 
-# Stops the embedded model's loops ("She is a kitten. She is a kitten. ...") and leaves its
-# short answers as they are (docs/protocol.md, "Penalties").
-DEMO_PENALTIES = {"frequency_penalty": 0.3}
+# The embedded model answers in its first sentence, then loops ("The island has 12 kittens. The
+# island has 12 kittens. ...") or invents more; the end bias lets it stop after the sentence that
+# answers, the frequency penalty breaks a loop that starts anyway (docs/protocol.md, "Penalties").
+DEMO_PENALTIES = {"frequency_penalty": 0.3, "end_bias": 3.0}
 
 
 async def _ask(session, q: dict) -> tuple:

@@ -115,6 +115,7 @@ FLASH_FIELDS: dict[str, _Field] = {
     "repetition_penalty": _Field("float", lo=0.0, hi=10.0),
     "presence_penalty": _Field("float", lo=-2.0, hi=2.0),
     "frequency_penalty": _Field("float", lo=-2.0, hi=2.0),
+    "end_bias": _Field("float", lo=-10.0, hi=10.0),
 }
 THINKING_FIELDS: dict[str, _Field] = {
     "mode": _Field("str", True, limit="max_id_chars"),
@@ -161,6 +162,7 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
         "repetition_penalty": _Field("float", lo=0.0, hi=10.0),
         "presence_penalty": _Field("float", lo=-2.0, hi=2.0),
         "frequency_penalty": _Field("float", lo=-2.0, hi=2.0),
+        "end_bias": _Field("float", lo=-10.0, hi=10.0),
     },
     "query.cancel": {"session_id": _SID, "query_id": _Field("id", required=True)},
     "flash.register": {"session_id": _SID, **FLASH_FIELDS},

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from streamer.sessions.errors import Code, EngineError
 
 FLASH_KEYS = ("question", "flash_id", "max_tokens", "priority", "min_interval_s", "confirm",
-              "repetition_penalty", "presence_penalty", "frequency_penalty")
+              "repetition_penalty", "presence_penalty", "frequency_penalty", "end_bias")
 
 
 class ReplayError(EngineError):
@@ -165,6 +165,7 @@ class FlashRegister(Record):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    end_bias: float | None = None
 
     @classmethod
     def of(cls, args: dict, state: dict) -> "FlashRegister":

@@ -9,6 +9,9 @@ const SAVED = "streamer.app.session";
 const KEY = "streamer.app.apiKey";
 const FEED_ITEMS = 60;
 const FILE_CHUNK_CHARS = 1200;
+// Questions and flash questions end after the sentence that answers, as in `streamer demo`
+// (docs/protocol.md, "Penalties"): small models otherwise loop or invent more.
+const ANSWER_STYLE = { frequency_penalty: 0.3, end_bias: 3 };
 
 const $ = (id) => document.getElementById(id);
 const app = { client: null, session: null, camera: null, mic: null, lagS: [], rate: [], video: {}, audio: {} };
@@ -282,7 +285,7 @@ async function ask(event) {
   item.append(q, a, meta);
   $("answers").prepend(item);
   try {
-    for await (const ev of app.session.ask(question, { max_tokens: 96 })) {
+    for await (const ev of app.session.ask(question, { max_tokens: 96, ...ANSWER_STYLE })) {
       if (ev.type === "query.delta") a.textContent += ev.delta;
       else {
         a.textContent = ev.text.trim() || "(an empty answer)";
@@ -302,7 +305,7 @@ async function registerFlash(event) {
   const question = $("flash-question").value.trim();
   if (!question || !app.session) return;
   await guard(async () => {
-    await app.session.registerFlash(question, { max_tokens: 24 }, renderFlash);
+    await app.session.registerFlash(question, { max_tokens: 24, ...ANSWER_STYLE }, renderFlash);
     $("flash-question").value = "";
     renderFlash();
   });

@@ -273,7 +273,8 @@ export class Session extends Emitter {
     return ev.session;
   }
 
-  /** query.create; options: queryId, max_tokens, temperature, top_p, top_k, seed, stop, stream. */
+  /** query.create; options: queryId, max_tokens, temperature, top_p, top_k, seed, stop, stream,
+   * repetition_penalty, presence_penalty, frequency_penalty, end_bias. */
   ask(question, options = {}) {
     const { queryId, ...rest } = options;
     const id = queryId ?? `jq${this.client._nextQuery++}`;
@@ -291,7 +292,8 @@ export class Session extends Emitter {
   }
 
   /** flash.register; `callback(event)` gets its flash.updated (and flash.stale) events.
-   * options: flashId, max_tokens, priority, min_interval_ms, confirm. Resolves with its state. */
+   * options: flashId, max_tokens, priority, min_interval_ms, confirm, repetition_penalty,
+   * presence_penalty, frequency_penalty, end_bias. Resolves with its state. */
   async registerFlash(question, options = {}, callback = null) {
     const { flashId, ...rest } = options;
     const msg = { type: "flash.register", question, ...rest };

@@ -70,6 +70,8 @@ CASES = {
                        ("argument --chunk-chars", "at least 1")),
     "not-a-number": Case(("client", "ask", "hi", "--max-tokens", "many"), 2,
                          ("argument --max-tokens", "expected an integer", "'many'")),
+    "end-bias-range": Case(("client", "ask", "hi", "--end-bias", "12"), 2,
+                           ("argument --end-bias", "in [-10, 10]", "got 12")),
     "media-fps": Case(("client", "media", "x.mp4", "--fps", "0"), 2, ("argument --fps", "greater than 0")),
     "robot-latency": Case(("client", "robot", "--latency-ms", "300", "100"), 2, ("MIN must not exceed MAX",)),
     "robot-no-broker": Case(("client", "robot", "--url", "{url}", "--mqtt", "mqtt://127.0.0.1:{dead}"), 2,

@@ -108,6 +108,22 @@ def test_demo_command_runs(tmp_path):
     assert re.search(r"first token \d+ ms", out)
 
 
+def test_the_bundled_demo_answers_end_after_the_answer(tmp_path):
+    """`streamer demo` on its bundled log with the default weights: no answer loops ("The island
+    has 12 kittens. The island has 12 kittens. ...") or runs to the 48-token limit inventing more;
+    the demo's end bias and frequency penalty stop each one after the sentence that answers."""
+    demo = _streamer("demo")
+    out, _ = demo.communicate(timeout=600)
+    assert demo.returncode == 0, out
+    answers = re.findall(r"\n  A: (.*?)\n     first token \d+ ms, answer \d+ ms \((\d+) tokens\)", out, re.S)
+    assert len(answers) == 8, out
+    for text, tokens in answers:
+        sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+        assert len(sentences) == len(set(sentences)), text  # no sentence said twice
+        assert int(tokens) < 48, text  # ended by the model, not by the limit
+    assert sum("found" in line and "not found" not in line for line in out.splitlines()) >= 7, out
+
+
 def test_flash_on_embedded_model(embedded_engine):
     """On the embedded model: flash answers equal on-demand greedy answers at the same data
     version, and a current flash answer is served from the cache."""
