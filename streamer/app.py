@@ -78,6 +78,10 @@ def is_vl_checkpoint(spec: str) -> bool:
     """Whether a Hugging Face id or directory is a vision-language model the engine runs."""
     from transformers import AutoConfig
 
+    from streamer.sessions.models import EMBEDDED_ALIASES
+
+    if spec in EMBEDDED_ALIASES:  # a name, not a hub id: never looked up online
+        return False
     try:
         return AutoConfig.from_pretrained(spec).model_type in VL_MODEL_TYPES
     except (OSError, ValueError):
