@@ -27,8 +27,8 @@ ANSWER_FLAGS = (
     ("frequency_penalty", bounded(float, -2.0, 2.0),
      "subtract per time a token was produced, in [-2, 2] (default: 0; `streamer demo` uses 0.3)"),
     ("end_bias", bounded(float, -10.0, 10.0),
-     "add to the end-of-answer tokens' logits, in [-10, 10]: above 0 answers end sooner "
-     "(default: 0; `streamer demo` uses 3)"),
+     ("add to the end-of-answer tokens' logits, in [-10, 10]: above 0 answers end sooner "
+      "(default: 0; `streamer demo` uses 3)")),
 )
 
 

@@ -32,9 +32,13 @@ class Penalties:
     end_bias: float = 0.0
 
     @property
+    def counts_tokens(self) -> bool:
+        """Whether a penalty on the answer's own tokens is on."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def active(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.end_bias != 0.0)
+        return self.counts_tokens or self.end_bias != 0.0
 
     def validate(self) -> None:
         if not 0.0 < self.repetition_penalty <= 10.0:
@@ -51,8 +55,9 @@ class Penalties:
               end_ids: Collection[int] = ()) -> torch.Tensor:
         """The logits with the penalties for `generated` and the bias on `end_ids` (the stop
         ids) applied (a new tensor; the input is kept)."""
-        counted = bool(generated) and (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                                       or self.frequency_penalty != 0.0)
+        if not self.active:
+            return logits
+        counted = bool(generated) and self.counts_tokens
         bias = self.end_bias != 0.0 and bool(end_ids)
         if not counted and not bias:
             return logits

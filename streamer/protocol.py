@@ -105,6 +105,12 @@ class _Field:
 
 
 _SID = _Field("id", required=True)
+PENALTY_FIELDS: dict[str, _Field] = {  # query.create and flash.register (sampling.Penalties)
+    "repetition_penalty": _Field("float", lo=0.0, hi=10.0),
+    "presence_penalty": _Field("float", lo=-2.0, hi=2.0),
+    "frequency_penalty": _Field("float", lo=-2.0, hi=2.0),
+    "end_bias": _Field("float", lo=-10.0, hi=10.0),
+}
 FLASH_FIELDS: dict[str, _Field] = {
     "question": _Field("str", True, limit="max_question_chars"),
     "flash_id": _Field("id"),
@@ -112,10 +118,7 @@ FLASH_FIELDS: dict[str, _Field] = {
     "priority": _Field("int", lo=-100, hi=100),
     "min_interval_ms": _Field("int", lo=0, hi=86_400_000),
     "confirm": _Field("int", lo=1, hi=100),
-    "repetition_penalty": _Field("float", lo=0.0, hi=10.0),
-    "presence_penalty": _Field("float", lo=-2.0, hi=2.0),
-    "frequency_penalty": _Field("float", lo=-2.0, hi=2.0),
-    "end_bias": _Field("float", lo=-10.0, hi=10.0),
+    **PENALTY_FIELDS,
 }
 THINKING_FIELDS: dict[str, _Field] = {
     "mode": _Field("str", True, limit="max_id_chars"),
@@ -159,10 +162,7 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
         "seed": _Field("int", lo=0, hi=2**63 - 1),
         "stop": _Field("strlist"),
         "stream": _Field("bool"),
-        "repetition_penalty": _Field("float", lo=0.0, hi=10.0),
-        "presence_penalty": _Field("float", lo=-2.0, hi=2.0),
-        "frequency_penalty": _Field("float", lo=-2.0, hi=2.0),
-        "end_bias": _Field("float", lo=-10.0, hi=10.0),
+        **PENALTY_FIELDS,
     },
     "query.cancel": {"session_id": _SID, "query_id": _Field("id", required=True)},
     "flash.register": {"session_id": _SID, **FLASH_FIELDS},

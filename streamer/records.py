@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from streamer.sessions.errors import Code, EngineError
+from streamer.sessions.sampling import PENALTY_KEYS
 
-FLASH_KEYS = ("question", "flash_id", "max_tokens", "priority", "min_interval_s", "confirm",
-              "repetition_penalty", "presence_penalty", "frequency_penalty", "end_bias")
+FLASH_KEYS = ("question", "flash_id", "max_tokens", "priority", "min_interval_s", "confirm", *PENALTY_KEYS)
 
 
 class ReplayError(EngineError):
