@@ -34,6 +34,10 @@ KEY_ROLES = ("operator", "tenant")
 DEFAULT_KEY_ROLE = "tenant"
 
 
+ALL_SESSIONS = object()  # ApiKeys.viewer: every session (an operator, or a server without keys)
+NO_SESSIONS = object()  # ApiKeys.viewer: no session (no key on a keyed server)
+
+
 def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -81,6 +85,19 @@ class ApiKeys:
     def role(self, name: str | None) -> str | None:
         """The role of the key with this name (`operator` or `tenant`), or None for no key."""
         return self._roles.get(name) if name is not None else None
+
+    def viewer(self, key: str | None) -> "str | None | object":
+        """Whose sessions a request presenting `key` may see: `ALL_SESSIONS` (an operator key, or
+        any request on a server without keys), a tenant key's name (its own sessions),
+        `NO_SESSIONS` (no key), or None for a key that is presented but unknown."""
+        if not self.enabled:
+            return ALL_SESSIONS
+        if not key:
+            return NO_SESSIONS
+        name = self.check(key)
+        if name is None:
+            return None
+        return ALL_SESSIONS if self.role(name) == "operator" else name
 
     def roles(self) -> dict[str, int]:
         """How many keys hold each role (for the start-up log line)."""

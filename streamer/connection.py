@@ -45,10 +45,36 @@ class InvalidText:
         self.exc = exc
 
 
+class _QuietHttpLog(logging.LoggerAdapter):
+    """A connection's log in which a plain HTTP request answered below 400 (a health check,
+    /metrics, a page) logs its "HTTP response sent" and "connection closed" lines at debug: a
+    proxy probing /healthz every few seconds would otherwise fill the service log. Refusals
+    (401, 404, ...) and websocket connections keep their INFO lines."""
+
+    def __init__(self, inner: logging.Logger | logging.LoggerAdapter) -> None:
+        super().__init__(inner, {})
+        self.quiet = False
+
+    def process(self, msg, kwargs):
+        return msg, kwargs
+
+    def log(self, level: int, msg, *args, **kwargs) -> None:
+        if level == logging.INFO and msg.startswith("HTTP response sent") and args and args[0] < 400:
+            self.quiet = True
+        if self.quiet and level == logging.INFO:
+            level = logging.DEBUG
+        self.logger.log(level, msg, *args, **kwargs)
+
+
 class LenientConnection(ServerConnection):
     """RFC 6455 says a text frame with invalid UTF-8 fails the connection (1007). A session
     holds accepted data and live state that a client bug should not cost, so we answer with an
-    `invalid_utf8` error event instead and keep the connection; everything else is unchanged."""
+    `invalid_utf8` error event instead and keep the connection; everything else is unchanged.
+    Plain HTTP requests that succeed log at debug (`_QuietHttpLog`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.protocol.logger = self.logger = _QuietHttpLog(self.protocol.logger)
 
     async def recv(self, decode: bool | None = None):
         try:

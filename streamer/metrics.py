@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 COUNTERS = {
     "steps": "Model steps run",
     "step_tokens": "Tokens run in model steps",
@@ -51,9 +53,14 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render(metrics: dict, connections: int, edge: dict | None = None, durability: dict | None = None) -> str:
-    """The metrics as Prometheus text format 0.0.4."""
+def render(metrics: dict, connections: int, edge: dict | None = None, durability: dict | None = None,
+           shows: Callable[[str], bool] | None = None) -> str:
+    """The metrics as Prometheus text format 0.0.4. `shows(session_id)` says which sessions get
+    series of their own (labelled `session=`); None: all. Aggregates always cover every session."""
     lines: list[str] = []
+    if shows is None:
+        def shows(_sid: str) -> bool:
+            return True
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
         lines.append(f"# HELP streamer_{name} {help_text}")
@@ -104,6 +111,8 @@ def render(metrics: dict, connections: int, edge: dict | None = None, durability
                      "evaluated on it, per session")
         lines.append("# TYPE streamer_flash_staleness_seconds_hist histogram")
         for sid, (buckets, count, total) in sorted(histograms.items()):
+            if not shows(sid):
+                continue
             label = f'session="{_escape(sid)}"'
             for bound, n in buckets:
                 lines.append(f'streamer_flash_staleness_seconds_hist_bucket{{{label},le="{bound}"}} {n}')
@@ -114,7 +123,7 @@ def render(metrics: dict, connections: int, edge: dict | None = None, durability
         metric("sessions_detached", "gauge", "Live sessions whose producer is disconnected", [({}, durability["detached"])])
         for key, help_text in DURABILITY.items():
             metric(f"{key}_total", "counter", help_text, [({}, durability[key])])
-    sessions = metrics["sessions"]
+    sessions = {sid: v for sid, v in metrics["sessions"].items() if shows(sid)}
     metric("session_cache_tokens", "gauge", "Tokens in a session's reading cache",
            [({"session": sid}, tokens) for sid, (tokens, _) in sorted(sessions.items())])
     metric("session_cache_bytes", "gauge", "Pool bytes a session holds on its own",

@@ -27,7 +27,7 @@ from websockets.http11 import Request, Response
 
 from streamer.sessions.engine import Engine
 
-from .auth import ApiKeys, key_from_request
+from .auth import ALL_SESSIONS, NO_SESSIONS, ApiKeys, key_from_request
 from .connection import Connection, LenientConnection
 from .directory import Directory
 from .eventlog import DEFAULT_RELOG_MAX_BYTES, EventLog
@@ -284,13 +284,27 @@ class StreamerServer:
         return {**self.events.counters, **self.resumer.counters, "duplicates": self.directory.duplicates,
                 "snapshots": self.snapshots.written, "detached": self.directory.detached(), "store": self.store.kind}
 
+    def _shows(self, viewer) -> Callable[[str], bool]:
+        """Which sessions get series of their own on /metrics: all for an operator key (or a
+        server without keys), a tenant key's own sessions, none without a key (aggregates only),
+        so a tenant learns nothing of the others' sessions there either."""
+        if viewer is ALL_SESSIONS:
+            return lambda _sid: True
+        if viewer is NO_SESSIONS:
+            return lambda _sid: False
+        return lambda sid: self.directory.key_of(sid) == viewer
+
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
             return _json_response(HTTPStatus.OK, self.health())
         if path == "/metrics":
+            viewer = self.config.api_keys.viewer(key_from_request(request.headers, request.path))
+            if viewer is None:
+                self.edge["auth_refused"] += 1
+                return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
             body = render_metrics(self.engine.metrics(), len(self.connections), self.edge,
-                                  self.durability_metrics()).encode()
+                                  self.durability_metrics(), self._shows(viewer)).encode()
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)

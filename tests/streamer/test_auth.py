@@ -1,6 +1,9 @@
 """API keys (operator and tenant roles) and per-session capability tokens over a real socket."""
 
 import asyncio
+import re
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -282,6 +285,68 @@ def test_tenants_see_and_watch_only_their_own_sessions(tiny_engine):
             await peer.ws.close()
 
     serve(tiny_engine, test, **tenants(snapshot_interval_s=0.1))
+
+
+def _metrics(base: str, key: str | None = None, header: str = "Authorization") -> tuple[int, str]:
+    """(status, body) of GET /metrics, presenting `key` in `header` (or as ?api_key=)."""
+    url, headers = base + "/metrics", {}
+    if key is not None and header == "query":
+        url += f"?api_key={key}"
+    elif key is not None:
+        headers[header] = f"Bearer {key}" if header == "Authorization" else key
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _series_sessions(text: str) -> set[str]:
+    return set(re.findall(r'session="([^"]+)"', text))
+
+
+def test_metrics_show_each_key_only_its_own_sessions(tiny_engine):
+    """/metrics on a keyed server: without a key, aggregates only (no session id in any series);
+    a tenant key adds its own sessions' series; an operator key sees every session's; an unknown
+    key is refused (401). The aggregates are the same whoever reads them."""
+
+    async def test(url, server):
+        base = url.replace("ws://", "http://")
+        alice, bob = await raw(url, api_key=KEY_A), await raw(url, api_key=KEY_B)
+        sid_a, sid_b = await alice.create(), await bob.create()
+        for peer, sid in ((alice, sid_a), (bob, sid_b)):
+            ack = await peer.request({"type": "input.text.append", "session_id": sid, "text": "Private notes."})
+            assert ack["type"] == "input.ack"
+        fetch = lambda *a: asyncio.to_thread(_metrics, base, *a)  # noqa: E731
+        status, anonymous = await fetch()
+        assert status == 200 and "streamer_sessions 2" in anonymous
+        assert _series_sessions(anonymous) == set() and sid_a not in anonymous and sid_b not in anonymous
+        for header in ("Authorization", "X-API-Key", "query"):
+            status, text = await fetch(KEY_A, header)
+            assert status == 200 and _series_sessions(text) == {sid_a} and sid_b not in text, header
+        status, text = await fetch(KEY_B)
+        assert status == 200 and _series_sessions(text) == {sid_b}
+        status, text = await fetch(KEY_OPS)
+        assert status == 200 and _series_sessions(text) == {sid_a, sid_b}
+        status, text = await fetch("not-a-key-0123456789")
+        assert status == 401 and sid_a not in text and "unknown API key" in text
+        for peer in (alice, bob):
+            await peer.ws.close()
+
+    serve(tiny_engine, test, **tenants())
+
+
+def test_metrics_without_keys_show_every_session(tiny_engine):
+    """A server without keys (the open default on loopback) shows every session's series."""
+
+    async def test(url, server):
+        peer = await raw(url)
+        sid = await peer.create()
+        status, text = await asyncio.to_thread(_metrics, url.replace("ws://", "http://"))
+        assert status == 200 and _series_sessions(text) == {sid}
+        await peer.ws.close()
+
+    serve(tiny_engine, test)
 
 
 def test_detached_sessions_count_against_their_key_and_the_oldest_goes_first(tiny_engine):

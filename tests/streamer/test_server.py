@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 
 from helpers import until
@@ -72,6 +73,32 @@ def test_healthz_and_unknown_path(tiny_engine):
             raise AssertionError("expected 404")
 
     serve(tiny_engine, test)
+
+
+def test_health_and_metrics_requests_log_at_debug(tiny_engine, caplog):
+    """A proxy probing /healthz every few seconds must not fill the service log: successful
+    plain HTTP requests log at debug; a refused one (404) and websocket connections keep INFO."""
+    caplog.set_level("INFO", logger="streamer.wire")
+
+    async def test(url, server):
+        base = url.replace("ws://", "http://")
+        for path in ("/healthz", "/metrics", "/healthz"):
+            await asyncio.to_thread(lambda: urllib.request.urlopen(base + path).read())
+        try:
+            await asyncio.to_thread(urllib.request.urlopen, base + "/nope")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
+        peer = await raw(url)
+        await peer.create()
+        await peer.ws.close()
+        await until(lambda: sum("connection closed" in r.getMessage() for r in caplog.records) >= 2, 10,
+                    "the 404's and the websocket's close lines")
+
+    serve(tiny_engine, test)
+    info = [r.getMessage() for r in caplog.records if r.name == "streamer.wire" and r.levelname == "INFO"]
+    assert not any("(200 OK)" in m for m in info), info
+    assert "HTTP response sent (404 Not Found)" in info and "connection open" in info
+    assert info.count("connection closed") == 2, info  # the 404's and the websocket's, not the health checks'
 
 
 def bad_input_case(engine, payload, code, **config):
