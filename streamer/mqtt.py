@@ -6,11 +6,16 @@ Topics under `{prefix}/sessions/{session_id}/`:
   actions    action.chunk events                    (QoS 1)
   commands   action.command events (rules)          (QoS 1)
   state      the session's live counters and status (QoS 1, retained; at most every
-             `state_interval_s`, and at once when it closes or the worker stops)
+             `state_interval_s`, and at once when it closes or the worker stops; a closed
+             session's state is cleared, an empty retained message, after `closed_retention_s`
+             and expires at the broker then even if the worker is gone)
   errors     refusals of what came in on robot_state (QoS 1)
   robot_state  <- in: {"state": [numbers], "ts": seconds?}
-and `{prefix}/workers/{worker_id}/status` (QoS 1, retained): online while the worker is
-connected; offline when it stops, or, through the broker's last will, when it dies.
+and `{prefix}/workers/{worker_id}/status` (QoS 1, retained): online (once per connection) while
+the worker is connected; offline when it stops, or, through the broker's last will, when it
+dies. Each says `since`: when the connection it belongs to was opened. The will is written at
+connect time and the broker sends it later, so it carries `"ts": null` (no time the worker could
+know) and the `since` of the `online` it replaces.
 
 Every message is a JSON envelope {"type", "session_id", "ts", ...}. Publishing never blocks a
 session: events go through a bounded queue that drops its oldest entry when the broker is
@@ -22,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from streamer.sessions.errors import EngineError
+from streamer.store import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     from streamer.sessions.engine import Engine
@@ -36,6 +43,8 @@ log = logging.getLogger(__name__)
 
 TOPICS = {"flash.updated": "flash", "flash.stale": "flash", "reasoning.done": "reasoning", "action.chunk": "actions",
           "action.command": "commands"}
+# Events that only change the retained state: an evaluation that kept its question's answer.
+STATE_ONLY = frozenset({"flash.evaluated"})
 # Snapshot fields (streamer.durability.Keeper.snapshot) the retained state carries.
 SNAPSHOT_COUNTERS = ("data_version", "last_seq", "last_client_seq", "tokens", "context_window", "ended",
                      "ingest_lag_ms", "last_action_seq")
@@ -71,7 +80,8 @@ def parse_url(url: str) -> tuple[str, int]:
 class MqttBridge:
     def __init__(self, engine: Engine, url: str, prefix: str = "streamer", max_queue: int = 1000,
                  client_id: str | None = None, worker_id: str = "worker",
-                 state_interval_s: float = STATE_INTERVAL_S) -> None:
+                 state_interval_s: float = STATE_INTERVAL_S,
+                 closed_retention_s: float = DEFAULT_RETENTION_S) -> None:
         self.engine = engine
         self.host, self.port = parse_url(url)
         self.prefix = prefix.rstrip("/")
@@ -80,12 +90,16 @@ class MqttBridge:
         self.worker_id = worker_id
         self.worker_url: str | None = None
         self.state_interval_s = state_interval_s
+        self.closed_retention_s = closed_retention_s  # then a closed session's retained state is cleared
+        self.since: float | None = None  # when the present connection was opened (wall time)
         self.dropped = 0
         self.published = 0
         self.connected = asyncio.Event()
-        self._queue: asyncio.Queue[tuple[str, dict, bool]] = asyncio.Queue()
+        # (topic, message or None for an empty payload, retain, message expiry in seconds or None)
+        self._queue: asyncio.Queue[tuple[str, dict | None, bool, int | None]] = asyncio.Queue()
         self._listeners: dict[str, object] = {}
         self._state: dict[str, SessionState] = {}
+        self._clears: dict[str, asyncio.TimerHandle] = {}  # closed sessions whose retained state goes
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -98,19 +112,26 @@ class MqttBridge:
 
     def _worker_status(self, status: str, reason: str | None = None) -> dict:
         return {"type": "worker", "worker": self.worker_id, "status": status, "url": self.worker_url,
-                "reason": reason, "ts": time.time()}
+                "reason": reason, "since": self.since, "ts": time.time()}
+
+    def _will(self) -> dict:
+        """The last will of the connection opened at `since`: the broker publishes it when it
+        notices the connection is gone, a time the worker cannot write into it (`ts` is null)."""
+        return {**self._worker_status("offline", "connection lost"), "ts": None}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> "MqttBridge":
+        """Ready to take sessions (their messages queue); it connects on `announce`."""
         self._loop = asyncio.get_running_loop()
-        self._task = self._loop.create_task(self._run())
         return self
 
     def announce(self, url: str) -> None:
-        """The worker's URL is known (the server listens): say so on the status topic."""
+        """The worker's URL is known (the server listens): connect; each connection says
+        `online`, with this URL, once."""
         self.worker_url = url
-        self.enqueue(self.worker_topic, self._worker_status("online"), retain=True)
+        if self._task is None:
+            self._task = self._loop.create_task(self._run())
 
     async def stop(self) -> None:
         """A clean stop: every session's state and the worker's status say offline (the
@@ -121,6 +142,9 @@ class MqttBridge:
         for session_id, listener in self._listeners.items():
             self.engine.remove_listener(session_id, listener)
         self._listeners.clear()
+        for handle in self._clears.values():  # the broker expires those states (closed_retention_s)
+            handle.cancel()
+        self._clears.clear()
         for session_id, state in self._state.items():
             state.status = "offline"
             self._publish_state(session_id, state, force=True)
@@ -141,7 +165,7 @@ class MqttBridge:
         """Publish this session's events (call on the event loop)."""
 
         def listener(event: str, payload: dict) -> None:  # engine or action thread
-            if event in TOPICS:
+            if event in TOPICS or event in STATE_ONLY:
                 try:
                     self._loop.call_soon_threadsafe(self._on_event, session_id, event, payload)
                 except RuntimeError:  # the loop is gone (the server stopped): nobody to publish for
@@ -149,18 +173,28 @@ class MqttBridge:
 
         self._listeners[session_id] = listener
         self._state[session_id] = SessionState()
+        if (handle := self._clears.pop(session_id, None)) is not None:  # the id is in use again
+            handle.cancel()
         self.engine.add_listener(session_id, listener)
         self._touch(session_id)
 
     def detach(self, session_id: str) -> None:
-        """The session closed: its retained state says so at once, with its last counters."""
+        """The session closed: its retained state says so at once, with its last counters, for
+        `closed_retention_s` (as long as the store keeps its log); then it is cleared (an empty
+        retained message). The broker expires it then too, should this worker be gone."""
         listener = self._listeners.pop(session_id, None)
         state = self._state.pop(session_id, None)
         if listener is not None:
             self.engine.remove_listener(session_id, listener)
         if state is not None:
             state.status = "closed"
-            self._publish_state(session_id, state, force=True)
+            self._publish_state(session_id, state, force=True, expiry_s=max(1, math.ceil(self.closed_retention_s)))
+            self._clears[session_id] = self._loop.call_later(max(0.0, self.closed_retention_s), self._clear,
+                                                             session_id)
+
+    def _clear(self, session_id: str) -> None:
+        self._clears.pop(session_id, None)
+        self.enqueue(self.topic(session_id, "state"), None, retain=True)
 
     def snapshot(self, session_id: str, snapshot: dict) -> None:
         """The keeper wrote a new snapshot of the session (at most every snapshot interval)."""
@@ -174,22 +208,30 @@ class MqttBridge:
 
     # ---- out -----------------------------------------------------------------------------------
 
-    def enqueue(self, topic: str, message: dict, retain: bool = False) -> None:
-        message.setdefault("ts", time.time())
+    def enqueue(self, topic: str, message: dict | None, retain: bool = False, expiry_s: int | None = None) -> None:
+        """Queue one message (None: an empty payload, which clears a retained topic)."""
+        if message is not None:
+            message.setdefault("ts", time.time())
         if self._queue.qsize() >= self.max_queue:
             self._queue.get_nowait()  # the oldest goes: live data matters more than stale data
             self._queue.task_done()
             self.dropped += 1
-        self._queue.put_nowait((topic, message, retain))
+        self._queue.put_nowait((topic, message, retain, expiry_s))
 
     def _on_event(self, session_id: str, event: str, payload: dict) -> None:
-        self.enqueue(self.topic(session_id, TOPICS[event]), {"type": event, "session_id": session_id, **payload})
+        if event in TOPICS:
+            self.enqueue(self.topic(session_id, TOPICS[event]), {"type": event, "session_id": session_id, **payload})
         state = self._state.get(session_id)
         if state is None:
             return
         if event == "flash.updated":
             state.flash[payload["flash_id"]] = {"answer": payload["answer"], "data_version": payload["data_version"],
                                                 "confidence": payload["confidence"], "stale": None}
+        elif event == "flash.evaluated":  # the same answer (or a change not yet confirmed) on newer data
+            entry = state.flash.get(payload["flash_id"])
+            if entry is not None:
+                entry["data_version"] = max(entry["data_version"] or 0, payload["data_version"])
+                entry["stale"] = None
         elif event == "flash.stale":  # the retained state shows it stale until the next update
             entry = state.flash.setdefault(payload["flash_id"], {"answer": payload["answer"],
                                                                  "data_version": payload["answer_version"]})
@@ -218,7 +260,8 @@ class MqttBridge:
             state.timer = None
             self._publish_state(session_id, state)
 
-    def _publish_state(self, session_id: str, state: SessionState, force: bool = False) -> None:
+    def _publish_state(self, session_id: str, state: SessionState, force: bool = False,
+                       expiry_s: int | None = None) -> None:
         if state.timer is not None and force:
             state.timer.cancel()
             state.timer = None
@@ -228,7 +271,8 @@ class MqttBridge:
             return
         state.last_body, state.published_at = text, self._loop.time()
         self.enqueue(self.topic(session_id, "state"), {"type": "state", "session_id": session_id,
-                                                       "worker": self.worker_id, **body}, retain=True)
+                                                       "worker": self.worker_id, **body}, retain=True,
+                     expiry_s=expiry_s)
 
     # ---- connection ----------------------------------------------------------------------------
 
@@ -236,12 +280,12 @@ class MqttBridge:
         import aiomqtt
 
         backoff = 0.2
-        will = aiomqtt.Will(self.worker_topic, json.dumps(self._worker_status("offline", "connection lost")),
-                            qos=1, retain=True)
         while True:
+            self.since = time.time()  # this connection's: its will and its online say so
+            will = aiomqtt.Will(self.worker_topic, json.dumps(self._will()), qos=1, retain=True)
             try:
                 async with aiomqtt.Client(self.host, self.port, identifier=self.client_id, will=will,
-                                          keepalive=15) as client:
+                                          keepalive=15, protocol=aiomqtt.ProtocolVersion.V5) as client:
                     await client.subscribe(f"{self.prefix}/sessions/+/robot_state", qos=1)
                     await client.publish(self.worker_topic, json.dumps(self._worker_status("online")), qos=1,
                                          retain=True)
@@ -263,10 +307,18 @@ class MqttBridge:
                 backoff = min(backoff * 2, 10.0)
 
     async def _send(self, client) -> None:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
         while True:
-            topic, message, retain = await self._queue.get()
+            topic, message, retain, expiry_s = await self._queue.get()
+            properties = None
+            if expiry_s is not None:  # MQTT 5: the broker drops the (retained) message after this
+                properties = Properties(PacketTypes.PUBLISH)
+                properties.MessageExpiryInterval = expiry_s
             try:
-                await client.publish(topic, json.dumps(message), qos=1, retain=retain)
+                await client.publish(topic, b"" if message is None else json.dumps(message), qos=1, retain=retain,
+                                     properties=properties)
                 self.published += 1
             finally:
                 self._queue.task_done()

@@ -133,7 +133,8 @@ class StreamerServer:
             from .mqtt import MqttBridge
 
             self.mqtt = self.services.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix,
-                                                              worker_id=self.store.worker_id).start()
+                                                              worker_id=self.store.worker_id,
+                                                              closed_retention_s=self.store.retention_s).start()
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
             create_connection=LenientConnection, logger=wire_log, open_timeout=cfg.open_timeout_s,
