@@ -23,6 +23,7 @@ let dataVersion = null;   // the watched session's current data_version
 const flash = new Map();  // flash_id -> latest flash entry (with history)
 const actions = [];
 const subscribeIds = new Set();  // event ids of our subscribe commands (their errors go to the panel)
+let showClosed = false;   // closed sessions are folded into one "closed (N)" row until it is opened
 
 const $ = (id) => document.getElementById(id);
 
@@ -131,7 +132,7 @@ function handle(ev) {
     case "reasoning.done": appendReasoning("\n"); break;
     case "action.chunk": addAction(`#${ev.seq} chunk: ${(ev.actions || []).length} actions, t0 ${fmtTime(ev.t0)}`); break;
     case "action.command": addAction(`rule ${ev.rule_id} fired: ${JSON.stringify(ev.command)}` +
-                                     (ev.media_s != null ? ` at ${Number(ev.media_s).toFixed(1)} s` : "")); break;
+                                     (ev.media_s != null ? ` at ${fmtMediaTime(ev.media_s)}` : "")); break;
   }
 }
 
@@ -161,26 +162,51 @@ function showDetailError(err) {
   box.hidden = false;
 }
 
+/** Live sessions first; closed ones (kept in the store until their retention ends) folded
+ * under one "closed (N)" row that opens and folds them. */
 function renderList(sessions) {
   const body = $("sessions");
   body.textContent = "";
-  for (const s of sessions) {
+  const open = sessions.filter((s) => !s.closed), closed = sessions.filter((s) => s.closed);
+  for (const s of open) body.appendChild(sessionRow(s));
+  if (closed.length) {
     const tr = document.createElement("tr");
-    tr.className = "session";
-    tr.dataset.sessionId = s.session_id;
-    const stateText = s.closed ? "closed" : s.detached ? "detached" : s.ended ? "ended" : "live";
-    const cells = [s.session_id, s.owner, s.tokens, s.data_version, s.ingest_lag_ms ?? "–", stateText];
-    cells.forEach((v, i) => {
-      const td = document.createElement("td");
-      td.textContent = v;
-      if (i === 0) td.title = s.session_id;
-      tr.appendChild(td);
-    });
-    if (!s.closed) tr.onclick = () => watch(s.session_id);
+    tr.className = "closed-toggle";
+    const td = document.createElement("td");
+    td.colSpan = 6;
+    const button = document.createElement("button");
+    button.type = "button";
+    button.id = "closed-toggle";
+    button.setAttribute("aria-expanded", String(showClosed));
+    button.textContent = `${showClosed ? "▾" : "▸"} closed (${closed.length})`;
+    button.onclick = () => { showClosed = !showClosed; renderList(sessions); };
+    td.appendChild(button);
+    tr.appendChild(td);
     body.appendChild(tr);
+    for (const s of closed) {
+      const row = sessionRow(s);
+      row.hidden = !showClosed;
+      body.appendChild(row);
+    }
   }
-  $("list-note").textContent = sessions.length ? "" : "No sessions yet.";
+  $("list-note").textContent = open.length ? "" : closed.length ? "No live sessions." : "No sessions yet.";
   markSelected();
+}
+
+function sessionRow(s) {
+  const tr = document.createElement("tr");
+  tr.className = s.closed ? "session closed" : "session";
+  tr.dataset.sessionId = s.session_id;
+  const stateText = s.closed ? "closed" : s.detached ? "detached" : s.ended ? "ended" : "live";
+  const cells = [s.session_id, s.owner, fmtCount(s.tokens), s.data_version, fmtMs(s.ingest_lag_ms), stateText];
+  cells.forEach((v, i) => {
+    const td = document.createElement("td");
+    td.textContent = v;
+    if (i === 0) td.title = s.session_id;
+    tr.appendChild(td);
+  });
+  if (!s.closed) tr.onclick = () => watch(s.session_id);
+  return tr;
 }
 
 function markSelected() {
@@ -190,7 +216,7 @@ function markSelected() {
 }
 
 function cacheText(s) {  // a video session also shows the frames it has read
-  return `${s.tokens} tok / ${fmtBytes(s.cache_bytes)}` + (s.frames ? ` · ${s.frames} frames` : "");
+  return `${fmtCount(s.tokens)} tok / ${fmtBytes(s.cache_bytes)}` + (s.frames ? ` · ${fmtCount(s.frames)} frames` : "");
 }
 
 function renderState(st) {
@@ -201,7 +227,7 @@ function renderState(st) {
 }
 
 function renderSnapshot(s) {
-  $("lag").textContent = s.ingest_lag_ms == null ? "none yet" : `${s.ingest_lag_ms} ms`;
+  $("lag").textContent = s.ingest_lag_ms == null ? "none yet" : fmtMs(s.ingest_lag_ms);
   $("cache").textContent = cacheText(s);
   setVersion(s.data_version);
   $("action-seq").textContent = s.last_action_seq ?? 0;
@@ -250,22 +276,31 @@ function renderFlash() {
     const st = staleness(q);
     const behind = st && (st.versions > 0 || q.stale);
     tr.classList.toggle("stale", Boolean(behind));
-    const conf = q.confidence ? `p ${q.confidence.mean_prob.toFixed(2)}, gap ${q.confidence.logit_gap.toFixed(2)}` : "–";
+    const conf = q.confidence ? `p ${Math.round(q.confidence.mean_prob * 100)}%, gap ${q.confidence.logit_gap.toFixed(1)}`
+      : "–";
     const stText = !st ? "–" : q.stale ? `stale · ${fmtAge(st.seconds)}`
       : st.versions > 0 ? `${st.versions} behind · ${fmtAge(st.seconds)}` : `current · ${fmtAge(st.seconds)}`;
     const version = q.data_version == null ? "–"  // on video: and the media time of the newest frame it saw
-      : `v${q.data_version}` + (q.media_s != null ? ` @ ${Number(q.media_s).toFixed(1)} s` : "");
+      : `v${q.data_version}` + (q.media_s != null ? ` @ ${fmtMediaTime(q.media_s)}` : "");
     const cells = [q.flash_id, q.question, q.answer ?? "(not yet)", version,
                    stText, conf];
     cells.forEach((v, i) => {
       const td = document.createElement("td");
-      td.textContent = v;
+      if (i === 0) idText(td, v);
+      else td.textContent = v;
       td.className = ["id", "question", "answer", "version", "staleness", "confidence"][i];
       tr.appendChild(td);
     });
     body.appendChild(tr);
   }
   renderChart();
+}
+
+/** A flash id in its cell: it may wrap after "-", "_" or "." (a <wbr> after each), never inside
+ * a word; a piece too long for the column ends in an ellipsis (style.css), the whole id in the title. */
+function idText(td, id) {
+  td.title = id;
+  for (const part of String(id).split(/(?<=[-_.])/)) td.append(part, document.createElement("wbr"));
 }
 
 function svg(tag, attrs, text) {
@@ -344,11 +379,31 @@ function addAction(text) {
   }
 }
 
+// Numbers with their units, rounded to what a reader uses (as on the /app page): "250 ms" (not
+// "250.37 ms"), "1.4 s"; "980 B", "1.2 KiB"; counts with thousands separators.
 function fmtBytes(n) {
   if (n == null) return "–";
-  if (n < 1024) return n + " B";
-  if (n < 1 << 20) return (n / 1024).toFixed(1) + " KiB";
-  return (n / (1 << 20)).toFixed(1) + " MiB";
+  if (n < 1024) return Math.round(n) + " B";
+  const units = ["KiB", "MiB", "GiB"];
+  let v = n / 1024, i = 0;
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+  return `${v.toFixed(v < 10 ? 1 : 0)} ${units[i]}`;
+}
+
+function fmtMs(ms) {
+  if (ms == null || !Number.isFinite(Number(ms))) return "–";
+  const n = Math.max(0, Number(ms));
+  if (n < 1000) return `${Math.round(n)} ms`;
+  if (n < 60_000) return `${(n / 1000).toFixed(n < 10_000 ? 1 : 0)} s`;
+  return fmtAge(n / 1000);
+}
+
+function fmtCount(n) { return n == null ? "–" : Number(n).toLocaleString("en-US"); }
+
+function fmtMediaTime(s) {  // a position in the media: "12.3 s", "2:05.0"
+  if (s == null) return "–";
+  if (s < 60) return `${Number(s).toFixed(1)} s`;
+  return `${Math.floor(s / 60)}:${(s % 60).toFixed(1).padStart(4, "0")}`;
 }
 
 function fmtAge(s) {

@@ -1,5 +1,6 @@
 """The browser side of the service, on its own port: the JavaScript SDK (/sdk/), the
-streaming page (/app), the dashboard (/dashboard) and the JSON its first paint reads.
+streaming page (/app), the dashboard (/dashboard), the JSON its first paint reads and the
+pages' icon (/favicon.ico).
 
 Static files only (no build step, no CDN), shipped as package data. StreamerServer's HTTP hook
 hands every request to `route`, which answers the paths it knows (a Response, or an awaitable
@@ -17,7 +18,7 @@ from websockets.http11 import Request, Response
 
 from streamer.dashboard import response as dashboard_response
 
-from .views import JSON_VIEWS
+from .views import FAVICON_PATHS, JSON_VIEWS, favicon
 
 JS = "text/javascript; charset=utf-8"
 # path -> (file in this package, content type)
@@ -43,6 +44,8 @@ def route(server, request: Request) -> Response | Awaitable[Response] | None:
         return static(path)
     if path in JSON_VIEWS:
         return JSON_VIEWS[path](server, request)
+    if path in FAVICON_PATHS:
+        return favicon()
     if path.startswith(("/app/", "/sdk/")):
         return text_response(HTTPStatus.NOT_FOUND, f"no file {path!r}; the SDK is /sdk/streamer.js, the page /app")
     if path == "/dashboard" or path.startswith("/dashboard/"):

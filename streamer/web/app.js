@@ -3,7 +3,7 @@
 // its producer token and its unacknowledged inputs live in localStorage, so a reload resumes it;
 // the API key stays in sessionStorage (this tab only). `window.streamerApp` is for debugging.
 import { StreamerClient, defaultUrl } from "/sdk/streamer.js";
-import { Camera, Microphone } from "/sdk/capture.js";
+import { Camera, MEDIA_REFUSED, Microphone } from "/sdk/capture.js";
 
 const SAVED = "streamer.app.session";
 const KEY = "streamer.app.apiKey";
@@ -12,6 +12,9 @@ const FILE_CHUNK_CHARS = 1200;
 // Questions and flash questions end after the sentence that answers, as in `streamer demo`
 // (docs/protocol.md, "Penalties"): small models otherwise loop or invent more.
 const ANSWER_STYLE = { frequency_penalty: 0.3, end_bias: 3 };
+// A session this far behind (or with inputs not yet acknowledged) is asked over what it has read
+// so far (`query.create` `over: "read"`) rather than after everything sent: the answer comes now.
+const LAGGING_MS = 2000;
 
 const $ = (id) => document.getElementById(id);
 const app = { client: null, session: null, camera: null, mic: null, lagS: [], rate: [], video: {}, audio: {} };
@@ -22,14 +25,22 @@ window.streamerApp = app;
 function apiKey() { return $("api-key").value.trim() || null; }
 
 async function connect() {
-  if (app.client && !app.client.closing) return app.client;
-  sessionStorage.setItem(KEY, apiKey() ?? "");
-  const client = await StreamerClient.connect(defaultUrl(), { apiKey: apiKey() });
-  client.on("open", () => setConn("live"));
-  client.on("close", (ev) => setConn(ev.reconnecting ? "reconnecting…" : "offline"));
-  client.on("resumed", (ev) => note(`reconnected: session resumed (${ev.event.replayed_records} records replayed)`));
-  client.on("inputs", () => { save(); $("unacked").textContent = app.session?.unacked.size ?? 0; });
-  client.on("error", (ev) => showError(ev.error));
+  const key = apiKey();
+  if (app.client && !app.client.closing) {
+    // The key travels only when the websocket opens: a key typed (or changed) after a refused
+    // "New session" needs a new connection, not the old keyless one (while no session uses it).
+    if ((app.client.apiKey ?? null) === key || app.session) return app.client;
+    app.client.close();
+    app.client = null;
+  }
+  sessionStorage.setItem(KEY, key ?? "");
+  const client = await StreamerClient.connect(defaultUrl(), { apiKey: key });
+  const mine = (fn) => (ev) => { if (app.client === client) fn(ev); };  // not a connection left behind
+  client.on("open", mine(() => setConn("live")));
+  client.on("close", mine((ev) => setConn(ev.reconnecting ? "reconnecting…" : "offline")));
+  client.on("resumed", mine((ev) => note(`reconnected: session resumed (${ev.event.replayed_records} records replayed)`)));
+  client.on("inputs", mine(() => { save(); $("unacked").textContent = app.session?.unacked.size ?? 0; }));
+  client.on("error", mine((ev) => showError(ev.error)));
   app.client = client;
   setConn("live");
   return client;
@@ -53,7 +64,7 @@ async function resume(sessionId, token, saved = null) {
   const session = await client.resumeSession(sessionId, token, saved);
   attach(session);
   const ev = session.resumed;
-  note(`resumed session ${session.id}: ${ev.session.inputs} inputs, data_version ${ev.session.data_version}` +
+  note(`resumed session ${session.id}: ${fmtCount(ev.session.inputs)} inputs, data_version ${ev.session.data_version}` +
        (ev.replayed_records ? `, ${ev.replayed_records} records replayed` : ""));
   renderState(ev.session);
   return session;
@@ -75,15 +86,16 @@ function attach(session) {
   $("sid").textContent = session.id;
   for (const id of ["send-text", "end-input", "camera", "mic", "ask", "register", "stop"]) $(id).disabled = false;
   $("create").disabled = true;
+  if (app.mediaRefused) for (const id of ["camera", "mic"]) $(id).disabled = true;
   session.on("input.ack", (ev) => {
-    if (ev.lag_ms != null) $("lag").textContent = `${ev.lag_ms} ms (text)`;
-    if (ev.total_tokens != null) $("tokens").textContent = `${ev.total_tokens} tok`;
+    if (ev.lag_ms != null) showLag(ev.lag_ms, "text");
+    if (ev.total_tokens != null) $("tokens").textContent = fmtTokens(ev.total_tokens);
   });
   session.on("media.ack", onMediaAck);
   for (const type of ["media.observation", "media.transcript"]) {
     session.on(type, (ev) => {
-        if (ev.total_tokens != null) $("tokens").textContent = `${ev.total_tokens} tok`;
-      if (ev.lag_ms != null) $("lag").textContent = `${ev.lag_ms} ms (video)`;
+      if (ev.total_tokens != null) $("tokens").textContent = fmtTokens(ev.total_tokens);
+      if (ev.lag_ms != null) showLag(ev.lag_ms, type === "media.transcript" ? "audio" : "video");
     });
   }
   session.on("media.observation", onObservation);
@@ -116,7 +128,7 @@ async function stop() {
     await app.camera?.stop();
     await app.mic?.stop();
     const final = await session.close();
-    note(`session ${session.id} closed after ${final.inputs} inputs`);
+    note(`session ${session.id} closed after ${fmtCount(final.inputs)} inputs`);
     detach();
   });
 }
@@ -184,7 +196,8 @@ async function toggleCamera() {
       $("camera").textContent = "Start camera";
       return;
     }
-    const camera = new Camera(app.session, { mode: $("camera-mode").value, fps: Number($("jpeg-fps").value) || 2 });
+    const camera = new Camera(app.session, { mode: $("camera-mode").value, fps: Number($("jpeg-fps").value) || 2,
+                                             onRefused: (error) => mediaRefused("camera", error) });
     app.camera = camera;
     $("camera").textContent = "Stop camera";
     try {
@@ -206,7 +219,7 @@ async function toggleMic() {
       $("mic").textContent = "Start microphone";
       return;
     }
-    const mic = new Microphone(app.session);
+    const mic = new Microphone(app.session, { onRefused: (error) => mediaRefused("mic", error) });
     app.mic = mic;
     $("mic").textContent = "Stop microphone";
     try {
@@ -220,6 +233,25 @@ async function toggleMic() {
   });
 }
 
+/** The server refused a media frame (a server without media input, or without the media extra):
+ * the device stopped itself (capture.js); the page says so and offers no media until a reload. */
+function mediaRefused(device, error) {
+  app.mediaRefused = error;
+  if (device === "camera") {
+    app.camera = null;
+    $("preview").srcObject = null;
+  } else {
+    app.mic = null;
+  }
+  $("camera").textContent = "Start camera";
+  $("mic").textContent = "Start microphone";
+  for (const id of ["camera", "mic"]) {
+    $(id).disabled = true;
+    $(id).title = "this server does not take camera or microphone input";
+  }
+  showError(error);
+}
+
 function onMediaAck(ev) {
   const m = ev.media ?? {};
   if (ev.kind === "audio") app.audio = m;
@@ -230,15 +262,15 @@ function onObservation(ev) {
   const lag = Date.now() / 1000 - ev.capture_ts;  // glass to cache, on the page's clock
   app.lagS.push(lag);
   if (app.lagS.length > 200) app.lagS.shift();
-  $("video-lag").textContent = `${Math.round(lag * 1000)} ms (server ${ev.lag_ms} ms)`;
-  feed("observations", ev.text ?? `${ev.visual_tokens} visual tokens`, `${ev.start_s}s`);
+  $("video-lag").textContent = `${fmtMs(lag * 1000)} (server ${fmtMs(ev.lag_ms)})`;
+  feed("observations", ev.text ?? `${fmtCount(ev.visual_tokens)} visual tokens`, fmtMediaTime(ev.start_s));
 }
 
 function onTranscript(ev) {
   const list = $("transcripts");
   let item = list.querySelector(`li[data-segment="${ev.segment}"]`);
   if (!item) {
-    item = feed("transcripts", ev.text, `${ev.start_s.toFixed(1)}s`);
+    item = feed("transcripts", ev.text, fmtMediaTime(ev.start_s));
     item.dataset.segment = ev.segment;
   }
   item.querySelector(".text").textContent = ev.text;
@@ -285,18 +317,45 @@ async function ask(event) {
   item.append(q, a, meta);
   $("answers").prepend(item);
   try {
-    for await (const ev of app.session.ask(question, { max_tokens: 96, ...ANSWER_STYLE })) {
+    for await (const ev of answer(question, { max_tokens: 96, ...ANSWER_STYLE })) {
       if (ev.type === "query.delta") a.textContent += ev.delta;
       else {
         a.textContent = ev.text.trim() || "(an empty answer)";
         meta.textContent = ev.cached ? `from the flash cache, data_version ${ev.data_version}` :
-          `${ev.tokens} tokens, ${ev.timing.total_ms} ms, data_version ${ev.data_version} (${ev.finish_reason})`;
+          `${fmtCount(ev.tokens)} tokens, ${fmtMs(ev.timing.total_ms)}, data_version ${ev.data_version} (${ev.finish_reason})`;
+        if (ev.over === "read") {  // asked over what was read: say how much that was
+          meta.textContent = `answered over ${fmtCount(ev.data_version)} inputs; ${fmtCount(ev.unread_inputs)} still ` +
+            `being read · ${meta.textContent}`;
+          item.classList.add("over-read");
+        }
       }
     }
   } catch (err) {
-    meta.textContent = `${err.code}: ${err.message}`;
+    meta.textContent = errorText(err);
   } finally {
     a.classList.remove("streaming");
+  }
+}
+
+/** Whether the session is behind what the page sent: inputs not yet acknowledged, or the last
+ * ingest lag over LAGGING_MS. */
+function lagging() {
+  return (app.session?.unacked.size ?? 0) > 0 || (app.lagMs ?? 0) > LAGGING_MS;
+}
+
+/** The question's events; over what the session has read so far when it is lagging. A server
+ * that does not know `over` yet refuses it (unknown_field): then the question goes again without
+ * it, and the page stops asking that server for it. */
+async function* answer(question, options) {
+  const overRead = app.overRead !== false && lagging();
+  app.lastAsk = overRead ? "read" : "sent";
+  try {
+    yield* app.session.ask(question, overRead ? { ...options, over: "read" } : options);
+  } catch (err) {
+    if (!(overRead && err.code === "unknown_field" && err.param === "over")) throw err;
+    app.overRead = false;
+    app.lastAsk = "sent";
+    yield* app.session.ask(question, options);
   }
 }
 
@@ -324,12 +383,13 @@ function renderFlash() {
     const stale = st && (st.stale || st.versions > 0);
     tr.classList.toggle("stale", Boolean(stale));
     const cells = [q.question, q.answer ?? "(not yet)", q.data_version != null ? `v${q.data_version}` : "–",
-                   st == null ? "–" : st.stale ? `stale · ${Math.round(st.seconds)} s`
-                     : behind > 0 ? `${behind} behind · ${Math.round(st.seconds)} s` : `current · ${Math.round(st.seconds)} s`];
+                   st == null ? "–" : st.stale ? `stale · ${fmtAge(st.seconds)}`
+                     : behind > 0 ? `${behind} behind · ${fmtAge(st.seconds)}` : `current · ${fmtAge(st.seconds)}`];
     cells.forEach((text, i) => {
       const td = document.createElement("td");
       td.textContent = text;
       td.className = ["question", "answer", "version", "staleness"][i];
+      if (text === "–") td.classList.add("none");
       tr.appendChild(td);
     });
     const td = document.createElement("td");
@@ -349,8 +409,8 @@ function renderFlash() {
 
 function renderState(state) {
   if (!state) return;
-  $("inputs").textContent = state.inputs;
-  $("tokens").textContent = `${state.tokens} tok`;
+  $("inputs").textContent = fmtCount(state.inputs);
+  $("tokens").textContent = fmtTokens(state.tokens);
   renderVersion();
 }
 
@@ -372,20 +432,57 @@ function tick() {
     while (app.rate.length > 1 && now - app.rate[0][0] > 5000) app.rate.shift();
     const [t0, b0] = app.rate[0];
     const rate = now > t0 ? (client.stats.bytesSent - b0) / ((now - t0) / 1000) : 0;
-    $("rate").textContent = `${(rate / 1024).toFixed(1)} KiB/s`;
+    $("rate").textContent = `${fmtBytes(rate)}/s`;
   }
   const cam = app.camera, mic = app.mic, v = app.video;
-  $("video-stats").textContent = cam ? `${cam.mode}: ${cam.stats.pieces} pieces, ${kib(cam.stats.bytes)}; ` +
-    `${v.decoded ?? 0} decoded, ${v.sampled ?? 0} sampled, ${v.observations ?? 0} observations` : "off";
-  $("dropped").textContent = `${v.dropped ?? 0} by the server (newest frame wins), ` +
-    `${(cam?.stats.unsent ?? 0) + (client?.stats.mediaDropped ?? 0)} not sent by the page`;
-  $("audio-stats").textContent = mic ? `${mic.stats.pieces} pieces, ${kib(mic.stats.bytes)}, ` +
-    `${app.audio.transcripts ?? 0} transcripts` : "off";
+  const off = app.mediaRefused ? "off (the server takes no media)" : "off";
+  $("video-stats").textContent = cam ? `${cam.mode}: ${fmtCount(cam.stats.pieces)} pieces, ${fmtBytes(cam.stats.bytes)}; ` +
+    `${fmtCount(v.decoded ?? 0)} decoded, ${fmtCount(v.sampled ?? 0)} sampled, ${fmtCount(v.observations ?? 0)} observations`
+    : off;
+  $("dropped").textContent = `${fmtCount(v.dropped ?? 0)} by the server (newest frame wins), ` +
+    `${fmtCount((cam?.stats.unsent ?? 0) + (client?.stats.mediaDropped ?? 0))} not sent by the page`;
+  $("audio-stats").textContent = mic ? `${fmtCount(mic.stats.pieces)} pieces, ${fmtBytes(mic.stats.bytes)}, ` +
+    `${fmtCount(app.audio.transcripts ?? 0)} transcripts` : off;
   $("mic-level").value = mic?.stats.peak ?? 0;
   renderFlash();
 }
 
-function kib(n) { return `${(n / 1024).toFixed(1)} KiB`; }
+function showLag(ms, source) {
+  app.lagMs = ms;
+  $("lag").textContent = `${fmtMs(ms)} (${source})`;
+}
+
+// Numbers with their units, rounded to what a reader uses: "250 ms" (not "0.25 s" or
+// "250.37 ms"), "1.4 s", "3 min"; "980 B", "1.2 KiB", "3.4 MiB"; counts with thousands separators.
+function fmtMs(ms) {
+  if (ms == null || !Number.isFinite(Number(ms))) return "–";
+  const n = Math.max(0, Number(ms));
+  if (n < 1000) return `${Math.round(n)} ms`;
+  if (n < 60_000) return `${(n / 1000).toFixed(n < 10_000 ? 1 : 0)} s`;
+  return fmtAge(n / 1000);
+}
+
+function fmtAge(s) {
+  return s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
+}
+
+function fmtMediaTime(s) {  // a position in the media: "12.3 s", "2:05.0"
+  if (s == null) return "–";
+  if (s < 60) return `${Number(s).toFixed(1)} s`;
+  return `${Math.floor(s / 60)}:${(s % 60).toFixed(1).padStart(4, "0")}`;
+}
+
+function fmtBytes(n) {
+  if (n < 1024) return `${Math.round(n)} B`;
+  const units = ["KiB", "MiB", "GiB"];
+  let v = n / 1024, i = 0;
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+  return `${v.toFixed(v < 10 ? 1 : 0)} ${units[i]}`;
+}
+
+function fmtCount(n) { return n == null ? "–" : Number(n).toLocaleString("en-US"); }
+
+function fmtTokens(n) { return `${fmtCount(n)} tok`; }
 
 // ---- page ------------------------------------------------------------------------------------
 
@@ -396,10 +493,30 @@ function note(text) { $("session-note").textContent = text; }
 function textNote(text) { $("text-note").textContent = text; }
 
 function showError(err, context = "") {
-  const e = err?.code ? err : { code: "error", message: String(err?.message ?? err) };
   const box = $("error");
-  box.textContent = `${context ? context + ": " : ""}${e.code}: ${e.message}`;
+  box.textContent = `${context ? context + ": " : ""}${errorText(err)}`;
   box.hidden = false;
+}
+
+/** An error as the page says it: its code once, then what it means here. The server's messages
+ * speak to API clients (e.g. "send 'Authorization: Bearer <key>'", which a page cannot do), so
+ * the codes a browser user can act on get the page's own words. */
+function errorText(err) {
+  const code = err?.code ?? "error";
+  let detail = String(err?.detail ?? err?.message ?? err);
+  if (detail.startsWith(`${code}: `)) detail = detail.slice(code.length + 2);
+  if (code === "unauthorized") {
+    return `${code}: this server needs an API key. Type it in the API key field above and click ` +
+           "New session again (or open /app?api_key=KEY).";
+  }
+  if (code === "connection_failed" && apiKey()) {
+    return `${code}: the server refused the connection with this API key; check the key (${detail})`;
+  }
+  if (MEDIA_REFUSED.has(code)) {
+    return `${code}: this server does not take camera or microphone input, so the page stopped them ` +
+           `(${detail}). Text and questions still work.`;
+  }
+  return `${code}: ${detail}`;
 }
 
 async function guard(fn) {

@@ -11,6 +11,24 @@
 
 const WEBM = "video/webm;codecs=vp8";
 
+/** The error codes with which a server refuses media frames: `unexpected_binary` (a server
+ * started without media input refuses every binary frame) and `unsupported_media` (its media
+ * extra is not installed, or a kind or format it does not read). Capture stops on either:
+ * every further piece would only draw another refusal (and, past the refusal allowance, get
+ * the connection closed). */
+export const MEDIA_REFUSED = new Set(["unexpected_binary", "unsupported_media"]);
+
+/** Call `fn(error)` once on the first media refusal for `session` (errors of the session, or
+ * of the connection: `unexpected_binary` names no session); returns a function that stops. */
+function onRefusal(session, fn) {
+  const off = session.client.on("error", (ev) => {
+    if (!MEDIA_REFUSED.has(ev.error?.code) || (ev.session_id && ev.session_id !== session.id)) return;
+    off();
+    fn(ev.error);
+  });
+  return off;
+}
+
 /** Whether this browser can record the camera as WebM (else the camera sends JPEG snapshots). */
 export function canRecordWebm() {
   return typeof MediaRecorder !== "undefined" && MediaRecorder.isTypeSupported(WEBM);
@@ -20,8 +38,10 @@ export function canRecordWebm() {
  * canvas at `fps` (`image`/`jpeg`) where the browser cannot record WebM (mode "auto"). */
 export class Camera {
   constructor(session, { mode = "auto", fps = 2, timesliceMs = 100, width = 320, height = 240,
-                         frameRate = 10, videoBitsPerSecond = 250_000, jpegQuality = 0.7 } = {}) {
+                         frameRate = 10, videoBitsPerSecond = 250_000, jpegQuality = 0.7, onRefused = null } = {}) {
     this.session = session;
+    this.onRefused = onRefused;  // (error) after the server refused media and the camera stopped
+    this.refused = null;         // that error
     this.options = { fps, timesliceMs, width, height, frameRate, videoBitsPerSecond, jpegQuality };
     this.mode = mode === "auto" ? (canRecordWebm() ? "webm" : "jpeg") : mode;
     this.stream = null;
@@ -36,6 +56,7 @@ export class Camera {
     this.stream = stream ?? await navigator.mediaDevices.getUserMedia({
       video: { width: { ideal: width }, height: { ideal: height }, frameRate: { ideal: frameRate } }, audio: false });
     this.running = true;
+    this._offRefusal = onRefusal(this.session, (error) => this._refused(error));
     if (this.mode === "webm") {
       this._record();
       // A new connection means a new media stream on the server: start a new container.
@@ -51,14 +72,23 @@ export class Camera {
   stop() {
     this.running = false;
     this._offResumed?.();
+    this._offRefusal?.();
     clearInterval(this._timer);
     if (this.recorder && this.recorder.state !== "inactive") this.recorder.stop();  // onstop sends `end`
     for (const track of this.stream?.getTracks() ?? []) track.stop();
   }
 
+  _refused(error) {  // nothing more leaves: no pieces still queued, no end-of-container frame
+    this.refused = error;
+    this.stop();
+    this.onRefused?.(error);
+  }
+
   _send(header, data) {
     this._chain = this._chain.then(async () => {
+      if (this.refused) return;
       const buf = data instanceof Blob ? await data.arrayBuffer() : data;
+      if (this.refused) return;  // refused while this piece was read
       if (this.session.sendMedia(header, buf)) {
         this.stats.pieces += 1;
         this.stats.bytes += buf.byteLength;
@@ -85,7 +115,7 @@ export class Camera {
       this._send({ kind: "video", format: "webm", ts }, ev.data);
     };
     recorder.onstop = () => {
-      if (sendEnd) this._send({ kind: "video", format: "webm", end: true }, new ArrayBuffer(0));
+      if (sendEnd && !this.refused) this._send({ kind: "video", format: "webm", end: true }, new ArrayBuffer(0));
     };
     recorder._dropEnd = () => { sendEnd = false; };
     recorder.start(this.options.timesliceMs);
@@ -122,8 +152,10 @@ export class Camera {
  * `pieceMs`, from an AudioWorklet. Where the browser cannot run a 16 kHz context on the
  * microphone, the context's own rate is sent (the server resamples). */
 export class Microphone {
-  constructor(session, { pieceMs = 100, sampleRate = 16000, workletUrl = null } = {}) {
+  constructor(session, { pieceMs = 100, sampleRate = 16000, workletUrl = null, onRefused = null } = {}) {
     this.session = session;
+    this.onRefused = onRefused;  // (error) after the server refused media and the microphone stopped
+    this.refused = null;
     this.pieceMs = pieceMs;
     this.sampleRate = sampleRate;
     this.workletUrl = workletUrl ?? new URL("./pcm-worklet.js", import.meta.url).href;
@@ -154,6 +186,10 @@ export class Microphone {
     source.connect(this.node).connect(mute).connect(this.ctx.destination);
     await this.ctx.resume();
     this.running = true;
+    this._offRefusal = onRefusal(this.session, (error) => {
+      this.refused = error;
+      this.stop().then(() => this.onRefused?.(error));
+    });
     return this.stream;
   }
 
@@ -173,8 +209,11 @@ export class Microphone {
   async stop() {
     if (!this.running) return;
     this.running = false;
-    this.session.sendMedia({ kind: "audio", format: "pcm_s16le", sample_rate: this.stats.sampleRate, channels: 1,
-                             end: true }, new ArrayBuffer(0));
+    this._offRefusal?.();
+    if (!this.refused) {
+      this.session.sendMedia({ kind: "audio", format: "pcm_s16le", sample_rate: this.stats.sampleRate, channels: 1,
+                               end: true }, new ArrayBuffer(0));
+    }
     for (const track of this.stream?.getTracks() ?? []) track.stop();
     await this.ctx?.close();
   }

@@ -50,6 +50,7 @@ export class StreamerError extends Error {
     super(`${error.code}: ${error.message}`);
     this.name = "StreamerError";
     this.code = error.code;
+    this.detail = error.message;  // the server's message without the code in front
     this.recoverable = error.recoverable ?? true;
     this.param = error.param ?? null;
     this.owner = error.owner ?? null;
@@ -274,7 +275,8 @@ export class Session extends Emitter {
   }
 
   /** query.create; options: queryId, max_tokens, temperature, top_p, top_k, seed, stop, stream,
-   * repetition_penalty, presence_penalty, frequency_penalty, end_bias. */
+   * repetition_penalty, presence_penalty, frequency_penalty, end_bias, over (where the server
+   * takes it: "read" answers over what the session has read so far). */
   ask(question, options = {}) {
     const { queryId, ...rest } = options;
     const id = queryId ?? `jq${this.client._nextQuery++}`;

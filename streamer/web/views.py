@@ -17,6 +17,10 @@ at once; the websocket then keeps the page live.
 Errors are JSON {"error": {"code", "message"}}: 404 `session_not_found` (unknown session, wrong
 token or another tenant's session, the same answer as the websocket's), 401 `unauthorized`, 400
 `missing_field`.
+
+Also the pages' tab icon, a small SVG written here (no file, no external resource):
+    GET /favicon.ico and GET /favicon.svg -> image/svg+xml (browsers ask for /favicon.ico on their
+        own; the pages name /favicon.svg in a <link rel="icon">)
 """
 
 from __future__ import annotations
@@ -102,6 +106,21 @@ async def sessions_view(server, request: Request) -> Response:
     if viewer is not None:  # a tenant key: its own sessions only
         snapshots = [snap for snap in snapshots if snap.get("key") == viewer]
     return json_response(HTTPStatus.OK, {"sessions": snapshots, "worker": server.store.worker_id})
+
+
+# A dark rounded square with three bars of rising height: a stream being read.
+FAVICON_SVG = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+               b'<rect width="32" height="32" rx="6" fill="#1d2330"/>'
+               b'<rect x="6" y="18" width="5" height="8" rx="1" fill="#8fb0ff"/>'
+               b'<rect x="13.5" y="12" width="5" height="14" rx="1" fill="#5c8dff"/>'
+               b'<rect x="21" y="6" width="5" height="20" rx="1" fill="#2d5bd3"/></svg>')
+FAVICON_PATHS = frozenset({"/favicon.ico", "/favicon.svg"})
+
+
+def favicon() -> Response:
+    headers = Headers([("Content-Type", "image/svg+xml"), ("Content-Length", str(len(FAVICON_SVG))),
+                       ("Cache-Control", "max-age=86400"), ("Connection", "close")])
+    return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, FAVICON_SVG)
 
 
 JSON_VIEWS = {"/dashboard/session.json": session_view, "/dashboard/sessions.json": sessions_view}

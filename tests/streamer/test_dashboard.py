@@ -3,6 +3,7 @@ package `chromium`) loads it and is driven over the DevTools protocol; the scree
 under tests/artifacts/ (git-ignored)."""
 
 import asyncio
+import json
 import re
 import shutil
 import tempfile
@@ -174,7 +175,7 @@ def test_chromium_shows_a_live_session(embedded):
             await page.wait_for("document.querySelectorAll('#actions li').length > 0")
             await page.wait_for("Number(document.getElementById('action-seq').textContent) > 0")
             lag = await page.eval("document.getElementById('lag').textContent")
-            assert lag.endswith(" ms"), lag
+            assert UNITS.fullmatch(lag), lag
             # at 1280x800 every column of the session table is on screen, no scrollbar
             fits = await page.eval("""(() => {
                 const list = document.getElementById('list'), table = list.querySelector('table');
@@ -238,3 +239,108 @@ async def flash_current(peer, sid, version, flash_id="f1"):
 
     return await until(caught_up, 120, f"the flash answer of data_version {version}")
 
+
+UNITS = re.compile(r"\d+ ms|\d+(\.\d)? s|\d+ min")
+
+
+def visible_rows() -> str:
+    return "[...document.querySelectorAll('#sessions tr.session')].filter((r) => r.offsetParent !== null)"
+
+
+def test_closed_sessions_fold_into_one_row(tiny_engine):
+    """Closed sessions (kept in the store until their retention ends) no longer pile up in the
+    list: one "closed (N)" row folds them and opens them on a click. The list's lag reads
+    "12 ms", not "12.34"."""
+
+    async def run(url, server):
+        base = url.replace("ws://", "http://")
+        owner = await raw(url, api_key=KEY)
+        sids = [(await owner.request({"type": "session.create"}))["session_id"] for _ in range(3)]
+        for sid in sids:
+            await append(owner, sid, "Ada keeps the light. ")
+        for sid in sids[1:]:
+            assert (await owner.request({"type": "session.close", "session_id": sid}))["type"] == "session.closed"
+
+        async def listed():
+            _, body = await asyncio.to_thread(get_json, f"{base}/dashboard/sessions.json?api_key={KEY}")
+            closed = {s["session_id"] for s in body.get("sessions", []) if s.get("closed")}
+            return closed == set(sids[1:]) and len(body["sessions"]) == 3
+
+        await until(listed, 30, "two closed sessions and a live one in the session list")
+        async with Browser() as page:
+            await page.viewport(1280, 800)
+            await page.navigate(f"{base}/dashboard?api_key={KEY}")
+            await page.wait_for("document.getElementById('closed-toggle')?.textContent.endsWith('closed (2)')", 30)
+            shown = await page.eval(f"{visible_rows()}.map((r) => r.dataset.sessionId)")
+            assert shown == [sids[0]], shown
+            lag_cell = f"{visible_rows()}[0].children[4].textContent"
+            lag = await page.wait_for(f"{lag_cell} !== '–' && {lag_cell}", 30)
+            assert UNITS.fullmatch(lag), lag
+            await page.eval("document.getElementById('closed-toggle').click()")
+            shown = await page.wait_for(f"{visible_rows()}.length === 3 && "
+                                        f"{visible_rows()}.map((r) => r.dataset.sessionId)")
+            assert set(shown[1:]) == set(sids[1:]) and shown[0] == sids[0], shown
+            assert await page.eval("document.getElementById('closed-toggle').getAttribute('aria-expanded')") == "true"
+            await page.screenshot("dashboard-closed-open.png")
+            await page.eval("document.getElementById('closed-toggle').click()")
+            await page.wait_for(f"{visible_rows()}.length === 1")
+
+    serve(tiny_engine, run, api_keys=ApiKeys({"ops": KEY}, {"ops": "operator"}), snapshot_interval_s=0.1)
+
+
+# Where each line of a cell starts: the index of the first character of every line after the first.
+LINE_BREAKS = """((sel) => {
+    const td = document.querySelector(sel);
+    const walker = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+    const tops = [];
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        for (let i = 0; i < node.length; i++) {
+            const range = document.createRange();
+            range.setStart(node, i);
+            range.setEnd(node, i + 1);
+            tops.push(Math.round(range.getBoundingClientRect().top));
+        }
+    }
+    const breaks = [];
+    tops.forEach((top, i) => { if (i > 0 && top > tops[i - 1]) breaks.push(i); });
+    return {text: td.textContent, title: td.title, breaks, clipped: td.scrollWidth > td.clientWidth,
+            overflow: getComputedStyle(td).textOverflow};
+})(%s)"""
+
+
+def test_flash_ids_wrap_between_words(tiny_engine):
+    """A flash id wraps only after '-', '_' or '.', never inside a word (it broke anywhere);
+    one longer than its column is cut with an ellipsis, the whole id in the title. The cards
+    and the confidence read with units: "12 ms", "p 83%"."""
+    ids = ("kitchen-door_open-check", "thermostatreadingnow")
+
+    async def run(url, server):
+        base = url.replace("ws://", "http://")
+        owner = await raw(url)
+        created = await owner.request({"type": "session.create"})
+        sid = created["session_id"]
+        await append(owner, sid, "The kitchen door is open. ")
+        for flash_id, question in zip(ids, ("Is the door open?", "How warm is it?")):
+            reply = await owner.request({"type": "flash.register", "session_id": sid, "flash_id": flash_id,
+                                         "question": question, "max_tokens": 4})
+            assert reply["type"] == "flash.registered", reply
+        async with Browser() as page:
+            await page.viewport(1280, 800)
+            await page.navigate(f"{base}/dashboard?session={sid}&token={created['tokens']['dashboard']}")
+            for flash_id in ids:
+                await page.wait_for(f"{row(flash_id)}') !== null", 30)
+            wrapped = await page.eval(LINE_BREAKS % json.dumps(f'#flash tr[data-flash-id="{ids[0]}"] td.id'))
+            assert wrapped["text"] == ids[0] and wrapped["title"] == ids[0], wrapped
+            assert all(ids[0][i - 1] in "-_." for i in wrapped["breaks"]), wrapped
+            long = await page.eval(LINE_BREAKS % json.dumps(f'#flash tr[data-flash-id="{ids[1]}"] td.id'))
+            assert long["breaks"] == [] and long["title"] == ids[1], long
+            assert long["clipped"] and long["overflow"] == "ellipsis", long
+            conf = await page.wait_for(f"{row(ids[0])} .confidence')?.textContent !== '–' && "
+                                       f"{row(ids[0])} .confidence').textContent", 60)
+            assert re.fullmatch(r"p \d+%, gap -?\d+\.\d", conf), conf
+            lag = await page.wait_for("document.getElementById('lag').textContent !== '–' && "
+                                      "document.getElementById('lag').textContent", 30)
+            assert lag == "none yet" or UNITS.fullmatch(lag), lag
+            await page.screenshot("dashboard-flash-ids.png")
+
+    serve(tiny_engine, run, snapshot_interval_s=0.1)
