@@ -10,6 +10,10 @@ attention over the sequence's read-only ranges and its own cache (kernels/cpu/st
 The runner's step plan (which ranges each sequence reads, grouped so a range shared by many
 forks is read once for all) is built here from the same `SeqStep`s as the torch reference's.
 
+Packing a model from a GGUF gives the same bytes at every start, so `cached_pack` keeps them in
+`<cache>/packed/` (keyed by the GGUF's content hash and the packing code's digest, checksummed)
+and later starts map that file instead of packing (see "the packed-weight cache" below).
+
 Numerics: each row of a step is computed by the same operations whatever shares the step, so a
 token reads bit for bit the same alone or batched, one chunk or many: within a format, the
 native path is its own exactness oracle. Against the float model (the fp32 path, the oracle of
@@ -19,8 +23,14 @@ the tiny-model tests) it differs by the weights' and activations' quantization.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
-from collections.abc import Sequence
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -189,35 +199,269 @@ def native_unsupported(model: nn.Module) -> str | None:
     return None
 
 
+# The fused matrices of a decoder layer: attribute -> (submodule, the linears stacked in it).
+FUSED = {"native_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "native_o": ("self_attn", ("o_proj",)),
+         "native_gate_up": ("mlp", ("gate_proj", "up_proj")), "native_down": ("mlp", ("down_proj",))}
+HEAD = "lm_head"
+
+
+def _fused_linears(model: nn.Module):
+    """(name, owner, attribute, linears) of every matrix the native stack fuses, in order."""
+    for i, layer in enumerate(model.model.layers):
+        for attr, (part, names) in FUSED.items():
+            owner = getattr(layer, part)
+            yield f"model.layers.{i}.{part}.{attr}", owner, attr, [getattr(owner, n) for n in names]
+
+
+def pack_native(model: nn.Module, fmt: str, blocks: dict | None = None) -> dict[str, QuantMatrix]:
+    """The model's linear layers as the C kernels' matrices (q|k|v and gate|up fused), keyed by
+    name (`model.layers.{i}.self_attn.native_qkv`, ..., `lm_head`); the model is not changed.
+    `fmt`: "int4" (Q4_1 from `blocks`, the GGUF's, else quantized; the head Q8_0) or "int8"."""
+    started = time.monotonic()
+    bits = 4 if fmt == "int4" else 8
+    blocks = blocks or {}
+    out = {}
+    for name, _owner, _attr, linears in _fused_linears(model):
+        prefix = name.rpartition(".")[0] + "."
+        given = [blocks.get(prefix + n) for n in FUSED[name.rpartition(".")[2]][1]]
+        out[name] = quantize(linears, bits, given if bits == 4 else None)
+    out[HEAD] = quantize([model.get_output_embeddings()], 8)
+    log.info("packed %d matrices for the native stack (%s) in %.1f s", len(out), fmt, time.monotonic() - started)
+    return out
+
+
+def check_packed(model: nn.Module, fmt: str, matrices: dict[str, QuantMatrix]) -> None:
+    """Raise PackCacheError unless `matrices` are shaped as `pack_native` packs this model."""
+    bits = 4 if fmt == "int4" else 8
+    head = model.get_output_embeddings()
+    want = {name: (bits, sum(m.out_features for m in linears), linears[0].in_features,
+                   any(m.bias is not None for m in linears)) for name, _o, _a, linears in _fused_linears(model)}
+    want[HEAD] = (8, head.out_features, head.in_features, head.bias is not None)
+    if set(matrices) != set(want):
+        raise PackCacheError(f"it holds {len(matrices)} matrices, not this model's {len(want)}")
+    lib = ck.load()
+    for name, (b, n, k, has_bias) in want.items():
+        m = matrices[name]
+        if (m.bits, m.n, m.k, m.bias is not None) != (b, n, k, has_bias):
+            raise PackCacheError(f"{name} is {m.bits}-bit {m.n}x{m.k}, this model's is {b}-bit {n}x{k}")
+        if m.data.numel() != lib.sk_matrix_bytes(b, n, k) or (has_bias and m.bias.numel() != n):
+            raise PackCacheError(f"{name} holds {m.data.numel()} bytes, not {lib.sk_matrix_bytes(b, n, k)}")
+
+
+def install_native(model: nn.Module, fmt: str, matrices: dict[str, QuantMatrix]) -> int:
+    """Put the model's linear layers on packed `matrices` (from `pack_native` or the cache), in
+    place; returns their bytes."""
+    total = 0
+    for name, owner, attr, linears in list(_fused_linears(model)):
+        matrix, at = matrices[name], 0
+        for n, linear in zip(FUSED[attr][1], linears):
+            setattr(owner, n, NativeLinear(matrix.rows(at, at + linear.out_features), fmt))
+            at += linear.out_features
+        setattr(owner, attr, matrix)
+        total += matrix.nbytes()
+    model.set_output_embeddings(NativeLinear(matrices[HEAD], "int8" if fmt == "int4" else fmt))
+    return total + matrices[HEAD].nbytes()
+
+
 def apply_native(model: nn.Module, fmt: str, blocks: dict | None = None) -> int:
     """Put the model's linear layers on the C kernels, in place (q|k|v and gate|up fused);
     returns the bytes of the packed weights. `fmt`: "int4" (Q4_1, the head Q8_0) or "int8"."""
-    bits = 4 if fmt == "int4" else 8
-    blocks = blocks or {}
-    total = 0
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        prefix = f"model.layers.{i}."
+    return install_native(model, fmt, pack_native(model, fmt, blocks))
 
-        def fused(owner, names, where):
-            linears = [getattr(owner, n) for n in names]
-            given = [blocks.get(prefix + where + n) for n in names]
-            matrix = quantize(linears, bits, given if bits == 4 else None)
-            at = 0
-            for n, linear in zip(names, linears):
-                setattr(owner, n, NativeLinear(matrix.rows(at, at + linear.out_features), fmt))
-                at += linear.out_features
-            return matrix
 
-        attn.native_qkv = fused(attn, ("q_proj", "k_proj", "v_proj"), "self_attn.")
-        attn.native_o = fused(attn, ("o_proj",), "self_attn.")
-        mlp.native_gate_up = fused(mlp, ("gate_proj", "up_proj"), "mlp.")
-        mlp.native_down = fused(mlp, ("down_proj",), "mlp.")
-        total += sum(m.nbytes() for m in (attn.native_qkv, attn.native_o, mlp.native_gate_up, mlp.native_down))
-    head = model.get_output_embeddings()
-    model.set_output_embeddings(NativeLinear(quantize([head], 8), "int8" if bits == 4 else fmt))
-    total += model.get_output_embeddings().nbytes()
-    return total
+# ---- the packed-weight cache -------------------------------------------------------------------
+#
+# Packing the embedded model (reading its GGUF's blocks, Q8_0 of the head, interleaving every
+# matrix) takes seconds at every start; its result is a function of the GGUF and of the packing
+# code, so the first start writes it to <cache>/packed/ and later starts map that file. An entry
+# is named by a key over the GGUF's content (sha256 of the whole file: ~0.06 s for the embedded
+# 98 MB, exact where size+mtime could miss a file rewritten in place), the format, the model's
+# shape and `packing_code_digest()`; it holds its key and the sha256 of its data, checked at
+# every load, so a stale or corrupt entry is packed anew (with a warning), never loaded.
+
+PACK_VERSION = 1  # the file layout below; the key also hashes the packing code itself
+PACK_MAGIC = b"STRMPACK"
+PACK_ALIGN = 64  # every matrix starts on a cache line; the data on a page
+
+
+class PackCacheError(ValueError):
+    """A packed-weight cache entry that cannot be used (missing, stale, corrupt); it is rebuilt."""
+
+
+def pack_cache_enabled() -> bool:
+    """`STREAMER_PACK_CACHE=0` (or off/false/no) packs at every start and writes nothing."""
+    return os.environ.get("STREAMER_PACK_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def packing_code_digest(version: int | None = None) -> str:
+    """What decides the packed bytes besides the GGUF: this file (the quantizers, the fusing),
+    weights.py (reading the GGUF's blocks), the C source (sk_pack's layout), and the torch and
+    transformers versions (the quantizers' arithmetic, the float weights a GGUF converts to)."""
+    import transformers
+
+    h = hashlib.sha256(f"streamer packed weights v{PACK_VERSION if version is None else version}\0".encode())
+    for path in (Path(__file__), Path(__file__).with_name("weights.py"), ck.SOURCE):
+        h.update(path.read_bytes())
+    h.update(f"\0{torch.__version__}\0{transformers.__version__}".encode())
+    return h.hexdigest()
+
+
+def model_signature(model: nn.Module) -> str:
+    cfg = model.config
+    fields = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+    return json.dumps({f: getattr(cfg, f, None) for f in fields}, sort_keys=True)
+
+
+def pack_key(gguf_sha256: str, fmt: str, signature: str, code: str) -> str:
+    """The cache key of a packing: the GGUF's content hash, the format, the model's shape and
+    the packing code's digest."""
+    return hashlib.sha256("\0".join((gguf_sha256, fmt, signature, code)).encode()).hexdigest()
+
+
+def _align(n: int, to: int = PACK_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def write_packed(path: Path, key: str, matrices: dict[str, QuantMatrix], source: str) -> None:
+    """Write an entry atomically (a temp file in the same directory, then rename)."""
+    entries, offset = [], 0
+    for name, m in matrices.items():
+        offset = _align(offset)
+        entry = {"name": name, "bits": m.bits, "n": m.n, "k": m.k, "offset": offset, "nbytes": m.data.numel()}
+        offset += m.data.numel()
+        if m.bias is not None:
+            offset = _align(offset)
+            entry["bias_offset"] = offset
+            offset += m.bias.numel() * 4
+        entries.append(entry)
+    blob = torch.zeros(offset, dtype=torch.uint8)
+    for entry, m in zip(entries, matrices.values()):
+        blob[entry["offset"]:entry["offset"] + entry["nbytes"]] = m.data
+        if m.bias is not None:
+            blob[entry["bias_offset"]:entry["bias_offset"] + m.bias.numel() * 4] = m.bias.float().view(torch.uint8)
+    header = {"version": PACK_VERSION, "key": key, "source": source, "data_bytes": offset,
+              "sha256": hashlib.sha256(blob.numpy()).hexdigest(), "matrices": entries}
+    header["data_start"] = start = _align(16 + len(json.dumps(header)) + 32, 4096)  # 32: room for its digits
+    text = json.dumps(header).encode()
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(PACK_MAGIC + len(text).to_bytes(8, "little") + text)
+            f.write(b"\0" * (start - 16 - len(text)))
+            f.write(memoryview(blob.numpy()))  # no fsync: a torn file fails its size or checksum at load
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_packed(path: Path, key: str) -> tuple[dict[str, QuantMatrix], str]:
+    """An entry's matrices, mapped from the file (not copied), and the source they were packed
+    from. Raises PackCacheError if the file is not a whole entry for `key` or its data fails its
+    checksum."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or head[:8] != PACK_MAGIC:
+                raise PackCacheError("not a packed-weight file")
+            length = int.from_bytes(head[8:], "little")
+            if length > 1 << 24:
+                raise PackCacheError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+        if header["version"] != PACK_VERSION or header["key"] != key:
+            raise PackCacheError("written for another GGUF, format or packing code")
+        start, size = int(header["data_start"]), int(header["data_bytes"])
+        actual = path.stat().st_size
+        if actual != start + size:
+            raise PackCacheError(f"{actual} bytes where its header says {start + size}")
+        blob = torch.from_file(str(path), shared=False, size=actual, dtype=torch.uint8)
+        data = blob[start:]
+        if hashlib.sha256(data.numpy()).hexdigest() != header["sha256"]:
+            raise PackCacheError("its data does not match its checksum")
+        matrices = {}
+        for e in header["matrices"]:
+            bits, n, k, at = int(e["bits"]), int(e["n"]), int(e["k"]), int(e["offset"])
+            bias = None
+            if "bias_offset" in e:
+                b = int(e["bias_offset"])
+                bias = data[b:b + 4 * n].view(torch.float32)
+            matrices[e["name"]] = QuantMatrix(bits, n, k, data[at:at + int(e["nbytes"])], bias)
+        return matrices, str(header["source"])
+    except PackCacheError:
+        raise
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise PackCacheError(f"unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def cached_pack(model: nn.Module, fmt: str, gguf: Path,
+                pack: Callable[[], tuple[dict[str, QuantMatrix], str]]) -> tuple[dict[str, QuantMatrix], str]:
+    """`pack()`'s result (matrices, source) for this model packed from `gguf`, read from the cache
+    when an entry for it is there and whole, else packed and written (under a file lock, so two
+    processes starting together pack once). A cache that cannot be written only costs the next
+    start the packing."""
+    from filelock import FileLock
+
+    from .models import cache_root
+
+    started = time.monotonic()
+    key = pack_key(file_sha256(gguf), fmt, model_signature(model), packing_code_digest())
+    path = cache_root() / "packed" / f"{gguf.stem}-{fmt}-{key[:20]}.bin"
+
+    def read() -> tuple[dict[str, QuantMatrix], str] | None:
+        try:
+            matrices, source = read_packed(path, key)
+            check_packed(model, fmt, matrices)
+        except PackCacheError as exc:
+            log.warning("the packed-weight cache %s cannot be used (%s): packing the weights anew", path, exc)
+            return None
+        log.info("packed weights read from the cache in %.2f s (%s, %.1f MB)", time.monotonic() - started,
+                 path, sum(m.nbytes() for m in matrices.values()) / 1e6)
+        return matrices, source
+
+    seen = _identity(path)
+    if seen is not None and (found := read()) is not None:
+        return found
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path) + ".lock")
+        lock.acquire()
+    except OSError as exc:
+        log.warning("the packed-weight cache %s cannot be written (%s): packing at every start", path.parent, exc)
+        return pack()
+    try:
+        now = _identity(path)
+        if now is not None and now != seen and (found := read()) is not None:  # another process wrote it
+            return found
+        matrices, source = pack()
+        try:
+            write_packed(path, key, matrices, source)
+        except OSError as exc:
+            log.warning("could not write the packed-weight cache %s (%s): the next start packs again", path, exc)
+            return matrices, source
+        for old in path.parent.glob(f"{gguf.stem}-{fmt}-*.bin"):  # entries of older code or GGUFs
+            if old != path:
+                old.unlink(missing_ok=True)
+        log.info("packed weights cached at %s", path)
+        return matrices, source
+    finally:
+        lock.release()
 
 
 def _range(buffer, length: int) -> ck.Range:

@@ -299,14 +299,19 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
     fmt = resolve_format(requested, model, device, gguf_path)
     if fmt == "fp32" or (fmt == "bf16" and next(model.parameters()).dtype == torch.bfloat16):
         return describe_weights(model, requested)
-    blocks = gguf_q4_1_linears(model, gguf_path) if fmt == "int4" and gguf_path is not None else {}
-    source = "gguf Q4_1" if blocks else "quantized at load"
     if fmt in ("int4", "int8") and native is not False:
         reason = native_unavailable(model)
         if reason is None:
-            from .native import apply_native
+            from .native import cached_pack, install_native, pack_cache_enabled, pack_native
 
-            apply_native(model, fmt, blocks)
+            def pack() -> tuple[dict, str]:
+                blocks = gguf_q4_1_linears(model, gguf_path) if fmt == "int4" and gguf_path is not None else {}
+                return pack_native(model, fmt, blocks), "gguf Q4_1" if blocks else "quantized at load"
+
+            # A model from a GGUF packs the same bytes at every start: the cache keeps them.
+            cached = gguf_path is not None and pack_cache_enabled()
+            matrices, source = cached_pack(model, fmt, gguf_path, pack) if cached else pack()
+            install_native(model, fmt, matrices)
             info = describe_weights(model, requested)
             info.source = source
             log.info("linear layers as %s (%s) on %s: %.1f MB", fmt, source, info.kernels, info.linear_bytes / 1e6)
@@ -314,6 +319,8 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
         if native:
             raise WeightFormatError(f"--weights {fmt} on the native kernels cannot run here: {reason}")
         log.warning("%s runs on ATen's kernels (several times slower to decode): %s", fmt, reason)
+    blocks = gguf_q4_1_linears(model, gguf_path) if fmt == "int4" and gguf_path is not None else {}
+    source = "gguf Q4_1" if blocks else "quantized at load"
     info = WeightsInfo(format=fmt, requested=requested, source=source, kernels="aten" if fmt != "bf16" else "torch")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
