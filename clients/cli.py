@@ -14,6 +14,11 @@ from streamer.cliargs import (CliError, bounded, fail, nonnegative_float, nonneg
 from .client import StreamerClient, StreamerError
 
 DEFAULT_URL = "ws://127.0.0.1:8765"
+# When `client stream` asks over what has been read (query.create `over: "read"`) instead of
+# waiting for the session to read everything sent (docs/limits.md, "Sustainable ingest"): the
+# newest ack's lag_ms is over --lag-ms, or more inputs than this are unacknowledged.
+LAG_MS = 1000.0
+LAG_INPUTS = 4
 
 
 def url_argument(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--ask-every", type=nonnegative_int, default=0, metavar="N",
                         help="ask the questions after every N chunks (default: only at the end)")
     stream.add_argument("--max-tokens", type=positive_int, default=64, help="answer token limit (default: %(default)s)")
+    stream.add_argument("--lag-ms", type=nonnegative_float, default=LAG_MS, metavar="MS",
+                        help=(f"a session whose newest ack's lag_ms is over MS (or with more than {LAG_INPUTS} "
+                              "unacknowledged inputs) is lagging: --ask questions are then answered now over what "
+                              "it has read (over: read) instead of after its backlog (default: %(default)s)"))
     stream.add_argument("--system-prompt", default=None, help="system prompt for the session")
     stream.add_argument("--flash", action="append", default=[], metavar="QUESTION",
                         help="register a flash question (repeatable): re-answered after every chunk, printed on change")
@@ -157,15 +166,26 @@ async def _print_events(client, emit) -> None:
                  event="reasoning", unit=event["unit"], text=event["text"], seq_range=event["seq_range"])
 
 
+def lagging(session, lag_ms: float) -> bool:
+    """Whether the session reads behind what was sent: more than LAG_INPUTS inputs are
+    unacknowledged, or the newest ack's lag_ms is over `lag_ms`."""
+    ack = session.last_ack
+    return len(session.unacked) > LAG_INPUTS or (ack is not None and ack.lag_ms > lag_ms)
+
+
 async def _ask_all(session, args, emit) -> None:
     for question in args.ask:
-        answer = await session.ask(question, max_tokens=args.max_tokens, **answer_options(args))
+        over = "read" if lagging(session, args.lag_ms) else None  # None: the service's default, "sent"
+        answer = await session.ask(question, max_tokens=args.max_tokens, over=over, **answer_options(args))
         t = answer.timing
+        covers = (f"\n   lagging: answered over {answer.data_version} inputs; {answer.unread_inputs} still being read"
+                  if answer.over == "read" else "")
         _say(emit, f"Q [{answer.context_tokens} tokens read]: {question}\n"
                    f"A: {answer.text.strip()}\n   first token {t['first_token_ms']:.0f} ms, "
-                   f"total {t['total_ms']:.0f} ms server / {answer.client_ms:.0f} ms client",
+                   f"total {t['total_ms']:.0f} ms server / {answer.client_ms:.0f} ms client{covers}",
              event="answer", question=question, text=answer.text, context_tokens=answer.context_tokens,
-             timing=t, client_ms=answer.client_ms)
+             timing=t, client_ms=answer.client_ms, over=answer.over, data_version=answer.data_version,
+             unread_inputs=answer.unread_inputs)
 
 
 def _say(emit, line: str, /, **fields) -> None:

@@ -61,6 +61,8 @@ class Answer:
     context_tokens: int
     timing: dict
     client_ms: float = 0.0  # round trip measured by the client: send -> query.done
+    over: str = "sent"  # what it was asked over: "sent" (every input sent before it) or "read" (what was read)
+    unread_inputs: int = 0  # inputs sent before the question that the answer did not see (0 for "sent")
 
 
 class QueryStream:
@@ -101,7 +103,8 @@ class QueryStream:
 
 def _answer(event: dict) -> Answer:
     return Answer(event["query_id"], event["text"], event["finish_reason"], event["tokens"],
-                  event["data_version"], event["context_tokens"], event.get("timing", {}))
+                  event["data_version"], event["context_tokens"], event.get("timing", {}),
+                  over=event.get("over", "sent"), unread_inputs=event.get("unread_inputs", 0))
 
 
 class Session:
@@ -118,6 +121,7 @@ class Session:
         # can resend exactly what the server lacks after a lost connection or a crashed worker.
         self.next_client_seq = 1
         self.unacked: dict[int, dict] = {}
+        self.last_ack: Ack | None = None  # the newest input.ack (its lag_ms: how far behind the session reads)
 
     async def _input(self, msg: dict) -> Ack:
         if "client_seq" not in msg:
@@ -126,7 +130,8 @@ class Session:
         self.unacked[msg["client_seq"]] = msg
         event = await self.client.request(dict(msg))
         self.unacked.pop(msg["client_seq"], None)
-        return _ack(event)
+        self.last_ack = _ack(event)
+        return self.last_ack
 
     async def append(self, text: str) -> Ack:
         return await self._input(command("input.text.append", session_id=self.id, text=text))
@@ -140,21 +145,26 @@ class Session:
     async def state(self) -> dict:
         return (await self.client.request(command("session.get", session_id=self.id)))["session"]
 
-    async def ask_stream(self, question: str, **options: Any) -> QueryStream:
+    async def ask_stream(self, question: str, *, over: str | None = None, **options: Any) -> QueryStream:
         """Start a question; returns its stream at once (options: max_tokens, temperature,
-        top_p, top_k, seed, stop, repetition_penalty, presence_penalty, frequency_penalty, end_bias)."""
+        top_p, top_k, seed, stop, repetition_penalty, presence_penalty, frequency_penalty, end_bias).
+        `over="read"`: answer now over what the session has read, without waiting for its backlog
+        of unread input (the answer's `unread_inputs` says how many inputs it did not see);
+        "sent" (the server's default): over every input sent before the question."""
         query_id = options.pop("query_id", None) or f"c{next(self.client._ids)}"
         stream = QueryStream(self, query_id)
         self.client._streams[(self.id, query_id)] = stream
-        msg = command("query.create", session_id=self.id, question=question, query_id=query_id, **options)
+        msg = command("query.create", session_id=self.id, question=question, query_id=query_id, over=over,
+                      **options)
         event_id = await self.client.send(msg)
         self.client._stream_by_event[event_id] = stream
         return stream
 
-    async def ask(self, question: str, **options: Any) -> Answer:
+    async def ask(self, question: str, *, over: str | None = None, **options: Any) -> Answer:
+        """Ask and wait for the whole answer (`over` and options as for `ask_stream`)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        answer = await (await self.ask_stream(question, **options)).result()
+        answer = await (await self.ask_stream(question, over=over, **options)).result()
         answer.client_ms = round((loop.time() - started) * 1000, 2)
         return answer
 

@@ -121,11 +121,12 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    def submit(self, job: Job) -> Future:
-        """Queue a job in its lane; the future resolves with its result when it finishes."""
+    def submit(self, job: Job, ahead: bool = False) -> Future:
+        """Queue a job in its lane (`ahead`: in front of its session's waiting backlog, see
+        `Lanes.submit`); the future resolves with its result when it finishes."""
         job.future = Future()
         job.submitted_step = self.stats.steps
-        self.lanes.submit(job)
+        self.lanes.submit(job, ahead)
         return job.future
 
     def step(self) -> bool:
@@ -446,15 +447,22 @@ class Engine:
         return fut
 
     def query(self, session_id: str, question: str, params: SamplingParams | None = None,
-              on_delta: Callable[[str], None] | None = None, query_id: str | None = None) -> QueryHandle:
-        """Ask a question (see `query.query`); the handle's future resolves to a QueryResult."""
+              on_delta: Callable[[str], None] | None = None, query_id: str | None = None,
+              over: str = "sent") -> QueryHandle:
+        """Ask a question (see `query.query`; `over`: "sent" or "read"); the handle's future
+        resolves to a QueryResult."""
         cancelled = threading.Event()
-        fut = self.call(lambda: query(self.core, session_id, question, params, on_delta, query_id, cancelled))
+        fut = self.call(lambda: query(self.core, session_id, question, params, on_delta, query_id, cancelled, over))
         return QueryHandle(fut, cancelled)
 
     def robot_state(self, session_id: str, state: list[float], ts: float | None = None) -> None:
         """Thread-safe and immediate (see `actions.robot_state`)."""
         actions.robot_state(self.core.sessions, session_id, state, ts)
+
+    @property
+    def queued_commands(self) -> int:
+        """Commands handed to the engine thread that it has not run yet (a snapshot)."""
+        return len(self._control)
 
     def step(self) -> bool:
         """One step, on the calling thread (an engine that is not started)."""

@@ -72,6 +72,17 @@ class Job:
         return False
 
     @property
+    def begun(self) -> bool:
+        """Whether it has started (it ran in a step, or wrote to a cache): a question asked over
+        what has been read goes behind it, never ahead (Lanes.submit, `ahead`)."""
+        return self.steps > 0
+
+    @property
+    def is_input(self) -> bool:
+        """Whether it is a client's input to the session (text, a revise, a transcript, a frame)."""
+        return False
+
+    @property
     def reads_notes(self) -> bool:
         """Whether it is reading the session's thinking notes now (a reasoning unit, which may
         drop old notes, waits until no job does)."""
@@ -132,15 +143,32 @@ class Lanes:
         self.fifo[session_id] = deque()
         self.side[session_id] = {}
 
-    def submit(self, job: Job) -> Job:
+    def submit(self, job: Job, ahead: bool = False) -> Job:
+        """Queue `job` in its session's lane: at the end of its FIFO, or with `ahead` in front of
+        every FIFO job that is only waiting (the backlog: a question asked over what has been
+        read). It still goes behind the job that has begun (an input half read is read to its
+        end first, so nothing sees half an input) and behind the framing of a new session."""
         self._order += 1
         job.order = self._order
         sid = job.session.id
         if job.beside:
             self.side[sid][job.kind] = job
+        elif ahead:
+            queue = self.fifo[sid]
+            at = 0
+            while at < len(queue) and (queue[at].begun or (queue[at].kind == "prefill" and not queue[at].is_input)):
+                at += 1
+            queue.insert(at, job)
         else:
             self.fifo[sid].append(job)
         return job
+
+    def inputs_behind(self, job: Job) -> int:
+        """Inputs queued behind `job` in its session's FIFO that were submitted before it (the
+        backlog a question asked over what has been read did not wait for)."""
+        queue = list(self.fifo.get(job.session.id, ()))
+        behind = queue[queue.index(job) + 1:] if job in queue else []
+        return sum(1 for other in behind if other.is_input and other.order < job.order)
 
     def remove(self, job: Job) -> None:
         sid = job.session.id
@@ -242,6 +270,14 @@ class PrefillJob(Job):
         """Not started yet, so it can be written right after the job in front of it (replay's
         evictions run as a job starts: such a job starts on its own)."""
         return self.start is None and not self.evict_first
+
+    @property
+    def begun(self) -> bool:
+        return self.start is not None or self.steps > 0
+
+    @property
+    def is_input(self) -> bool:
+        return self.text is not None  # None: the framing of a new session, not an input
 
     def ready(self, lanes: Lanes) -> bool:
         """An input whose start will evict waits while an urgent (stale) flash evaluation of its

@@ -43,6 +43,8 @@ class QueryResult:
     steps: int = 0  # engine steps it ran in
     steps_waited: int = 0  # engine steps that ran after it was asked and before its first
     max_step_tokens: int = 0  # the most tokens (its own and other work's) one of its steps carried
+    over: str = "sent"  # what it was asked over: "sent" (all input sent before it) or "read" (what was read)
+    unread_inputs: int = 0  # inputs sent before it that it did not see (still being read): 0 for "sent"
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -71,9 +73,11 @@ class QueryJob(Job):
 
     def __init__(self, session: Session, query_id: str, question: str, params: SamplingParams,
                  stop_ids: frozenset[int], on_delta: Callable[[str], None] | None = None,
-                 cancelled: threading.Event | None = None) -> None:
+                 cancelled: threading.Event | None = None, over: str = "sent") -> None:
         super().__init__(session)
         self.query_id = query_id
+        self.over = over
+        self.unread_inputs = 0  # "read": the inputs queued before it that it went ahead of
         self.question_ids = session.question_ids(question)
         self.params = params
         self.sampler = Sampler(params, stop_ids)
@@ -95,6 +99,10 @@ class QueryJob(Job):
     @property
     def reads_notes(self) -> bool:
         return self.base is not None and bool(self.prefixes)
+
+    @property
+    def begun(self) -> bool:
+        return self.base is not None or self.steps > 0
 
     def want(self) -> int:
         """Its whole question, then one token per step."""
@@ -213,6 +221,7 @@ class QueryJob(Job):
             first_token_s=(self.first_token_at or self.done_at) - self.submitted_at,
             total_s=self.done_at - self.submitted_at,
             steps=self.steps, steps_waited=self.steps_waited, max_step_tokens=self.max_step_tokens,
+            over=self.over, unread_inputs=self.unread_inputs,
         )
 
     def finish(self, core, exc: BaseException | None = None) -> None:
@@ -235,24 +244,41 @@ def end_queries(core, reason: str = "shutdown") -> int:
     return len(ended)
 
 
+OVER = ("sent", "read")  # what a question may be asked over (docs/protocol.md, query.create `over`)
+
+
 def query(core, session_id: str, question: str, params: SamplingParams | None = None,
           on_delta: Callable[[str], None] | None = None, query_id: str | None = None,
-          cancelled: threading.Event | None = None) -> Future | QueryResult:
+          cancelled: threading.Event | None = None, over: str = "sent") -> Future | QueryResult:
     """Ask a question; resolves to a QueryResult. A registered question whose answer is current
-    is answered from it, without the model."""
+    is answered from it, without the model.
+
+    `over="sent"` (the default): the answer waits its turn in the session's FIFO, so it sees every
+    input queued before it. `over="read"`: it answers over what the session has read so far: it
+    goes ahead of the session's backlog of unread input (behind the one input being read now, if
+    any, which is read to its end first: an answer never sees half an input), and its result says
+    how many inputs queued before it it did not see (`unread_inputs`). Either way the session is
+    unchanged: a question never commits."""
     from .flash import cached_answer
 
+    if over not in OVER:
+        raise InvalidRequest(f"over must be one of {', '.join(map(repr, OVER))}, got {over!r}", param="over")
     params = params or SamplingParams()
     session = core.live(session_id)
     params.validate(core.limits.max_answer_tokens)
     cached = cached_answer(session, question, params, query_id)
-    if cached is not None:
+    if cached is not None:  # current for every input: nothing is unread
+        cached.over = over
         core.stats.queries_cached += 1
         if on_delta is not None and cached.text:
             on_delta(cached.text)
         return cached
-    job = QueryJob(session, query_id or secrets.token_hex(6), question, params, core.stop_ids, on_delta, cancelled)
+    job = QueryJob(session, query_id or secrets.token_hex(6), question, params, core.stop_ids, on_delta, cancelled,
+                   over)
     if len(job.question_ids) > core.limits.max_question_tokens:
         raise InvalidRequest(f"question of {len(job.question_ids)} tokens exceeds the limit "
                              f"of {core.limits.max_question_tokens} tokens", code=Code.QUESTION_TOO_LONG)
-    return core.submit(job)
+    future = core.submit(job, ahead=over == "read")
+    if over == "read":
+        job.unread_inputs = core.lanes.inputs_behind(job)
+    return future

@@ -258,6 +258,7 @@ class Session:
             "frames": self.frames,
             "next_position": self.next_position,
             "last_seq": self.chunks[-1].seq if self.chunks else 0,
+            "unread_tokens": self.pending_tokens,  # accepted input not read yet: the backlog
             "ended": self.ended,
             "closed": self.closed,
             "created_at": self.created_at,

@@ -357,7 +357,8 @@ def query_create(cmd: Command, peer: Peer, svc: Services):
                                 index=next(index), delta=delta)
         peer.loop.call_soon_threadsafe(peer.send, text)
 
-    handle = svc.engine.query(sid, cmd["question"], params, on_delta if f.get("stream", True) else None, query_id)
+    handle = svc.engine.query(sid, cmd["question"], params, on_delta if f.get("stream", True) else None, query_id,
+                              f.get("over", "sent"))
     peer.queries[key] = handle
     handle.future.add_done_callback(lambda _: peer.loop.call_soon_threadsafe(peer.queries.pop, key, None))
     return Await(handle.future, lambda r: query_done(cmd, peer, r))
@@ -367,7 +368,7 @@ def query_done(cmd: Command, peer: Peer, r) -> str:
     return peer.proto.event(
         "query.done", reply_to=cmd.event_id, session_id=r.session_id, query_id=r.query_id, text=r.text,
         cached=r.cached or None, finish_reason=r.finish_reason, tokens=len(r.tokens), data_version=r.data_version,
-        context_tokens=r.context_tokens, question_tokens=r.question_tokens,
+        over=r.over, unread_inputs=r.unread_inputs, context_tokens=r.context_tokens, question_tokens=r.question_tokens,
         timing={"queue_ms": _ms(r.queue_s), "prefill_ms": _ms(r.prefill_s), "first_token_ms": _ms(r.first_token_s),
                 "total_ms": _ms(r.total_s), "decode_tokens_per_s": round(r.decode_tokens_per_s, 2),
                 "steps": r.steps, "steps_waited": r.steps_waited, "max_step_tokens": r.max_step_tokens})

@@ -94,17 +94,22 @@ class Command:
 
 
 class _Field:
-    __slots__ = ("kind", "required", "lo", "hi", "limit", "schema", "nullable")
+    __slots__ = ("kind", "required", "lo", "hi", "limit", "schema", "nullable", "choices")
 
     def __init__(self, kind: str, required: bool = False, lo: float | None = None,
                  hi: float | None = None, limit: str | None = None, schema: dict | None = None,
-                 nullable: bool = False) -> None:
+                 nullable: bool = False, choices: tuple[str, ...] | None = None) -> None:
         self.kind, self.required, self.lo, self.hi, self.limit = kind, required, lo, hi, limit
         self.schema = schema  # for kind "object": the fields of the nested object
         self.nullable = nullable  # an explicit null is a value (kept as None), not an absent field
+        self.choices = choices  # for kind "str": the only values it may take (an enumeration)
 
 
 _SID = _Field("id", required=True)
+# query.create `over`: what the answer reads. "sent": everything the client sent before the
+# question (it waits for the session to read it); "read": what the session has read so far (it
+# answers without waiting for the backlog of unread input).
+QUERY_OVER = ("sent", "read")
 PENALTY_FIELDS: dict[str, _Field] = {  # query.create and flash.register (sampling.Penalties)
     "repetition_penalty": _Field("float", lo=0.0, hi=10.0),
     "presence_penalty": _Field("float", lo=-2.0, hi=2.0),
@@ -162,6 +167,7 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
         "seed": _Field("int", lo=0, hi=2**63 - 1),
         "stop": _Field("strlist"),
         "stream": _Field("bool"),
+        "over": _Field("str", choices=QUERY_OVER),
         **PENALTY_FIELDS,
     },
     "query.cancel": {"session_id": _SID, "query_id": _Field("id", required=True)},
@@ -331,6 +337,8 @@ class ServerProtocol:
                 bad = "a string"
             elif not _is_unicode(value):
                 bad = "valid Unicode (no lone surrogates)"
+            elif spec.choices is not None and value not in spec.choices:
+                bad = "one of " + ", ".join(repr(c) for c in spec.choices)
             elif spec.limit and len(value) > getattr(self.limits, spec.limit):
                 raise ProtocolError(LIMIT_CODES[spec.limit], f"'{name}' has {len(value)} characters; the limit is "
                                     f"{getattr(self.limits, spec.limit)}", param=name)

@@ -42,8 +42,8 @@ FULL = {
     "query.create": {
         "session_id": "s-1", "question": "What?", "query_id": "q-1", "max_tokens": 32,
         "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 123, "stop": ["\n\n", "END"],
-        "stream": False, "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.3,
-        "end_bias": 2.0,
+        "stream": False, "over": "read", "repetition_penalty": 1.1, "presence_penalty": 0.2,
+        "frequency_penalty": 0.3, "end_bias": 2.0,
     },
     "query.cancel": {"session_id": "s-1", "query_id": "q-1"},
     "flash.register": {"session_id": "s-1", "question": "Who?", "flash_id": "f-1", "max_tokens": 8,
@@ -539,6 +539,19 @@ def test_strlist_field():
     fail({**base, "stop": ["a", ""]}, P.INVALID_FIELD, param="stop")
     fail({**base, "stop": "a"}, P.INVALID_FIELD, param="stop")
     fail({**base, "stop": ["a", 1]}, P.INVALID_FIELD, param="stop")
+
+
+def test_over_takes_sent_or_read_only():
+    base = full("query.create")
+    assert parse({**base, "over": "sent"})["over"] == "sent"
+    assert parse({**base, "over": "read"})["over"] == "read"
+    assert "over" not in parse({k: v for k, v in base.items() if k != "over"}).fields  # the server's default: sent
+    for value in ("later", "", "Read", "read ", "sent,read"):
+        err = fail({**base, "over": value}, P.INVALID_FIELD, param="over")
+        assert err.message == f"query.create: 'over' must be one of 'sent', 'read', got {value!r}"
+        assert err.recoverable and err.reply_to == "e-1" and err.session_id == "s-1"
+    err = fail({**base, "over": 1}, P.INVALID_FIELD, param="over")
+    assert err.message == "query.create: 'over' must be a string, got 1"
 
 
 def test_str_field_type():
