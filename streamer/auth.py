@@ -107,9 +107,13 @@ class ApiKeys:
     def from_file(cls, path: str | Path) -> "ApiKeys":
         """One key per line, `name:key` or a bare key (named key1, key2...), optionally followed
         by whitespace and `role=operator` or `role=tenant` (without it: tenant); `#` comments and
-        blank lines are skipped. Keys shorter than 16 characters are refused."""
+        blank lines are skipped. Keys shorter than 16 characters are refused, and so are a name
+        given twice and one key under two names (which name would a request be? the error names
+        both names and lines, never the key)."""
         keys: dict[str, str] = {}
         roles: dict[str, str] = {}
+        lines_of: dict[str, int] = {}  # name -> its line
+        names_of: dict[str, str] = {}  # digest of a key -> its name
         try:
             lines = Path(path).read_text().splitlines()
         except OSError as exc:
@@ -131,8 +135,14 @@ class ApiKeys:
             if not name or len(key) < 16:
                 raise KeysFileError(f"{path}:{number}: expected 'name:key' with a key of 16+ characters")
             if name in keys:
-                raise KeysFileError(f"{path}:{number}: key name {name!r} appears twice")
+                raise KeysFileError(f"{path}:{number}: key name {name!r} appears twice (first on line "
+                                    f"{lines_of[name]}): give each key its own name")
+            if (other := names_of.get(digest(key))) is not None:
+                raise KeysFileError(f"{path}:{number}: the key of {name!r} is the key of {other!r} (line "
+                                    f"{lines_of[other]}): one key, one name; give {name!r} a key of its own")
             keys[name] = key
+            lines_of[name] = number
+            names_of[digest(key)] = name
             if role is not None:
                 roles[name] = role
         if not keys:

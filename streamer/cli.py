@@ -14,6 +14,7 @@ from .cliargs import (
     CliError,
     Parser,
     configure_logging,
+    dtype_name,
     fail,
     nonnegative_float,
     nonnegative_int,
@@ -34,8 +35,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "random-weight Qwen2.5-VL: video frames go into the sessions' caches; for tests), a Hugging "
                              "Face id or a local directory (a Qwen2.5-VL serves text and video sessions; default: "
                              "%(default)s)")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument("--dtype", type=dtype_name, default="float32",
+                        help="float32, bfloat16 or float16 (default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device: cpu, cuda, cuda:N, mps; one this torch cannot use is refused before "
+                             "the model loads (default: %(default)s)")
     parser.add_argument("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"], default="auto",
                         help="format of the linear layers: int4/int8 weight-only on ATen's CPU kernels (bf16 "
                              "activations), bf16, fp32; auto: int4 for the embedded model (its Q4_1 GGUF weights "
@@ -147,16 +151,65 @@ def _engine_limits(args: argparse.Namespace):
 
 
 def _build_engine(args: argparse.Namespace, limits):
-    """Load the model and start the engine; a model or backend that cannot load is a CliError."""
-    from streamer.app import build_engine
+    """Load the model and start the engine (streamer.app.build_engine, with the KV budget checked
+    between the two: the pool is built with the engine); a model or backend that cannot load, or
+    a budget that cannot hold one session, is a CliError."""
+    import torch
+
+    from streamer.app import build_runner
     from streamer.kernels.backend import BackendUnavailable
+    from streamer.sessions.engine import Engine
     from streamer.sessions.models import ModelLoadError
     from streamer.sessions.weights import WeightFormatError
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
-        return build_engine(args.model, args.dtype, args.device, limits, args.threads, args.weights)
+        runner = build_runner(args.model, args.dtype, args.device, args.weights)
+        from_flag = bool(args.kv_budget_mb) and limits.kv_budget_bytes == args.kv_budget_mb << 20
+        check_kv_budget(runner, limits, "--kv-budget-mb" if from_flag else "kv_budget_bytes")
+        return Engine(runner, limits).start()
     except (ModelLoadError, BackendUnavailable, WeightFormatError) as exc:
         raise CliError(str(exc)) from None
+
+
+# A session's smallest window holds its framing and this many tokens of input
+# (streamer.sessions.window.set_window's floor).
+MIN_WINDOW_ROOM_TOKENS = 16
+
+
+def kv_budget_floor(runner, block_size: int) -> tuple[int, int, int]:
+    """(tokens, blocks, bytes) of the smallest session the KV pool must hold: the framing of a
+    session created with the defaults (the default system prompt), plus the smallest window's
+    room for input, in whole blocks of the model's KV bytes per token."""
+    from streamer.sessions.framing import Framing
+
+    tokens = len(runner.tokenize(Framing.for_tokenizer(runner.tokenizer).prefix)) + MIN_WINDOW_ROOM_TOKENS
+    blocks = -(-tokens // block_size)
+    return tokens, blocks, blocks * block_size * runner.kv_shape.bytes_per_token
+
+
+def check_kv_budget(runner, limits, flag: str = "--kv-budget-mb") -> None:
+    """An explicit KV budget (`flag`: --kv-budget-mb, or --limit kv_budget_bytes) must hold one
+    session of the smallest kind, or every session.create would fail; the error names the
+    smallest budget that works. The default budget (half the memory, 256 MiB or more) is not
+    checked."""
+    budget = limits.kv_budget_bytes
+    if budget is None:
+        return
+    tokens, blocks, need = kv_budget_floor(runner, limits.block_size)
+    if budget >= need:
+        return
+    shape = runner.kv_shape
+    dtype = str(shape.dtype).removeprefix("torch.")
+    if flag == "--kv-budget-mb":
+        given, works = f"--kv-budget-mb {budget >> 20}", f"--kv-budget-mb {-(-need // (1 << 20))}"
+    else:
+        given, works = f"kv_budget_bytes={budget}", f"--limit kv_budget_bytes={need}"
+    raise CliError(f"{given} cannot hold one session: its framing and smallest window ({tokens} tokens) take "
+                   f"{blocks} blocks of {limits.block_size} tokens at {shape.bytes_per_token} bytes a token "
+                   f"({shape.layers} layers x K and V x {shape.kv_heads} kv heads x {shape.head_dim} x {dtype}) "
+                   f"= {need} bytes: the smallest budget that works is {works}")
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -85,6 +85,21 @@ positive_float = bounded(float, 0.0, above=True)
 port = bounded(int, 0, 65535)
 
 
+# --dtype names, as streamer.sessions.models.parse_dtype takes them (not imported: it pulls in torch)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def dtype_name(text: str) -> str:
+    """An argparse type: a model dtype the engine loads (float32, bfloat16, float16 or their
+    short names), refused at parse time instead of after the model starts loading."""
+    name = text.strip().lower()
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: use float32, bfloat16 or float16 "
+                                         "(or fp32, bf16, fp16)")
+    return DTYPES[name]
+
+
 def ws_url(text: str) -> str:
     """An argparse type: a websocket URL (ws:// or wss://) with a host."""
     parts = urlsplit(text)

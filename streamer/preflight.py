@@ -2,10 +2,11 @@
 
 A start that cannot work should fail in a second with one line that says what to do, not
 after the model has loaded with a traceback: a flag whose optional package is missing (it
-names the extra to install), a port that is taken, a Redis store or MQTT broker the flags name
-that does not answer, a file that cannot be read. Each check raises CliError.
+names the extra to install), a port that is taken, a malformed --store URL, a Redis store or
+MQTT broker the flags name that does not answer, a file that cannot be read, a --device this
+torch cannot use. Each check raises CliError.
 
-Nothing here imports torch or the engine.
+Nothing here imports the engine; only `check_device`, the last check, imports torch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from .cliargs import CliError, read_text
 
@@ -85,11 +86,11 @@ def _bind_message(host: str, port: int, exc: OSError) -> str:
 
 
 def _redact(url: str) -> str:
-    """The URL without a password (it goes to the terminal)."""
+    """The URL without a password (it goes to the terminal); a malformed port is kept as written."""
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    netloc = f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"
     return urlunsplit(parts._replace(netloc=netloc))
 
 
@@ -99,7 +100,13 @@ def check_store(url: str | None) -> None:
         return
     if url.startswith(("redis://", "rediss://", "unix://")):
         require("redis", "--store redis://")
-        _ping_redis(url)
+        from .redis_store import split_url
+
+        try:
+            plain, _ = split_url(url)
+        except ValueError as exc:
+            raise CliError(f"--store {_redact(url)}: {exc}") from None
+        _ping_redis(url, plain)
         return
     path = url.removeprefix("file://")
     if "://" in path:
@@ -116,12 +123,10 @@ def check_store(url: str | None) -> None:
                        "(memory: keeps nothing)")
 
 
-def _ping_redis(url: str) -> None:
+def _ping_redis(url: str, plain: str) -> None:
+    """Redis answers a PING at `plain` (the store URL without our ?prefix=)."""
     import redis
 
-    parts = urlsplit(url)  # ?prefix= is ours, not the Redis client's
-    query = {k: v for k, v in parse_qsl(parts.query) if k != "prefix"}
-    plain = urlunsplit(parts._replace(query=urlencode(query)))
     try:
         client = redis.Redis.from_url(plain, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                       socket_timeout=CONNECT_TIMEOUT_S)
@@ -129,7 +134,15 @@ def _ping_redis(url: str) -> None:
             client.ping()
         finally:
             client.close()
-    except (redis.RedisError, ValueError, OSError) as exc:
+    except (ValueError, TypeError) as exc:  # the client's own URL checks, an option it does not take
+        raise CliError(f"--store {_redact(url)}: {_first_line(exc).rstrip('.')}: fix the URL "
+                       "(redis://host:port/db[?prefix=NAME])") from None
+    except redis.ResponseError as exc:  # it answered, with an error (e.g. SELECT of a db it lacks)
+        text = _first_line(exc)
+        hint = ("use a db below its 'databases' setting (16 by default)" if "DB index" in text
+                else "fix --store, or the Redis server's settings")
+        raise CliError(f"Redis at {_redact(url)} refused the connection ({text}): {hint}") from None
+    except (redis.RedisError, OSError) as exc:
         raise CliError(f"cannot reach Redis at {_redact(url)} ({_first_line(exc)}): start redis-server there, "
                        "or pick another --store (a directory, or memory:)") from None
 
@@ -179,6 +192,53 @@ def check_model(spec: str) -> None:
         raise CliError(f"--model {spec}: no such directory: pass a model directory, 'embedded' or 'tiny'")
 
 
+def check_device(device: str, weights: str = "auto") -> None:
+    """--device names a device this torch can put a model on (torch is imported here: the model
+    load imports it next anyway). A CPU-only format on another device is refused first, since
+    that holds on any machine."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(f"--device {device!r} is not a torch device ({_first_line(exc)}): use cpu, cuda, "
+                       "cuda:N or mps") from None
+    from streamer.sessions.weights import WeightFormatError, check_request
+
+    try:
+        check_request(weights, dev)
+    except WeightFormatError as exc:
+        raise CliError(str(exc)) from None
+    if dev.type == "cpu":
+        return
+    build = f"torch {torch.__version__}"
+    if dev.type == "meta":
+        raise CliError(f"--device {device} holds no data (shapes only), it cannot run a model: use cpu, "
+                       "cuda or mps")
+    if dev.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise CliError(f"--device {device}: this {build} is built without CUDA: use --device cpu, or "
+                           "install a CUDA build of torch")
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {device}: {build} sees no CUDA GPU (driver missing, or "
+                           "CUDA_VISIBLE_DEVICES hides them): use --device cpu, or fix the GPU setup")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise CliError(f"--device {device}: there {'is' if count == 1 else 'are'} {count} CUDA "
+                           f"GPU{'s' if count != 1 else ''} here (cuda:0..cuda:{count - 1}): pick one of them")
+        return
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise CliError(f"--device {device}: MPS (Apple GPUs) is not available to this {build} on this "
+                           "machine: use --device cpu")
+        return
+    try:
+        torch.empty(1, device=dev)
+    except Exception as exc:  # each backend fails its own way (RuntimeError, AssertionError, ...)
+        raise CliError(f"--device {device}: this {build} cannot use it here ({_first_line(exc)}): use "
+                       "--device cpu") from None
+
+
 def check_backend(requested: str | None) -> None:
     name = (requested or os.environ.get("STREAMER_ATTENTION_BACKEND") or "auto").strip().lower()
     if name == "triton":
@@ -202,6 +262,7 @@ def serve(args: argparse.Namespace) -> None:
     if args.mqtt:
         check_mqtt(args.mqtt)
     check_model(args.model)
+    check_device(args.device, args.weights)  # last: it imports torch
     if not args.no_media and not has("av"):
         log.warning("media frames will be refused (unsupported_media): PyAV is not installed; for video, "
                     "pictures and audio: %s", install_hint("media"))
@@ -212,3 +273,4 @@ def demo(args: argparse.Namespace) -> None:
         check_text_file(args.file, "--file")
     check_backend(args.attention_backend)
     check_model(args.model)
+    check_device(args.device, args.weights)  # last: it imports torch

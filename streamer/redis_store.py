@@ -29,6 +29,7 @@ import asyncio
 import base64
 import json
 import time
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -72,12 +73,61 @@ return false
 """
 
 
+SCHEMES = ("redis", "rediss", "unix")
+DEFAULT_PREFIX = "streamer"
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """The Redis client's URL and the key prefix of a store URL: `redis://host:port/db`,
+    `rediss://...` or `unix:///path/redis.sock?db=N`, with `?prefix=NAME` (ours, default
+    `streamer`; the client never sees it). Raises ValueError saying what is malformed: the
+    Redis client reads a db path that is not a number as db 0, so a typo would silently share
+    db 0; a db must be a non-negative integer, a port a number."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"{parts.scheme or 'no'} scheme: use redis://host:port/db, rediss://... or "
+                         "unix:///path/redis.sock?db=N")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    prefixes = [v for k, v in query if k == "prefix"]
+    prefix = prefixes[-1] if prefixes else DEFAULT_PREFIX
+    if not prefix:
+        raise ValueError("?prefix= is empty: name the key prefix, e.g. ?prefix=streamer")
+    rest = [(k, v) for k, v in query if k != "prefix"]
+    dbs = [v for k, v in rest if k == "db"]
+    if parts.scheme == "unix":
+        if not parts.path.strip("/"):
+            raise ValueError("no socket path: use unix:///path/to/redis.sock?db=N")
+    else:
+        try:
+            _ = parts.port  # raises for a port that is not a number in range
+        except ValueError:
+            host_port = parts.netloc.rpartition("@")[2]
+            raise ValueError(f"the port in {host_port!r} is not a number in 1..65535: use "
+                             "redis://host:port/db, e.g. redis://127.0.0.1:6379/0") from None
+        if parts.path not in ("", "/"):
+            dbs.insert(0, unquote(parts.path[1:]))
+    for db in dbs:
+        if not (db.isascii() and db.isdigit()):
+            raise ValueError(f"the db {db!r} is not a non-negative integer: use redis://host:port/N "
+                             "(N: 0, 1, ...; 0 when left out)")
+    if len(set(map(int, dbs))) > 1:
+        raise ValueError(f"two dbs ({', '.join(dbs)}): give the db once, as the path or as ?db=")
+    plain = urlunsplit(parts._replace(query=urlencode(rest)))
+    if parts.scheme == "unix":  # urlunsplit writes unix:/path, which the Redis client refuses
+        plain = "unix://" + plain.removeprefix("unix:").removeprefix("//")
+    return plain, prefix
+
+
 class RedisStore(Store):
     kind = "redis"
 
     def __init__(self, url: str, prefix: str = "streamer", worker_id: str | None = None,
                  retention_s: float = DEFAULT_RETENTION_S) -> None:
         super().__init__(worker_id, retention_s)
+        try:
+            url, _ = split_url(url)  # open_store passed ?prefix= as `prefix`
+        except ValueError as exc:
+            raise StoreError(f"bad Redis URL: {exc}") from None
         self.url = url
         self.prefix = prefix
         options = {} if "socket_timeout" in url else {"socket_timeout": DEFAULT_SOCKET_TIMEOUT_S}
