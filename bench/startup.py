@@ -160,7 +160,8 @@ def main() -> None:
         if warm_dir is None:
             warm_dir = tempfile.mkdtemp(prefix="streamer-warm-")
             temps.append(warm_dir)
-            start_once(warm_dir, args)  # fills it; not counted
+        if not cold:
+            start_once(warm_dir, args)  # fills what it lacks (and the page cache); not counted
         warm = [start_once(warm_dir, args) for _ in range(args.warm_runs)]
     finally:
         for path in temps:
