@@ -18,12 +18,25 @@ A unit runs after input arrives (each chunk, or every `every_tokens` new tokens)
 token budget and a stop rule (sentence end, newline, or the budget alone), and is skipped when
 nothing new arrived. `input.end` triggers a final deliberation of `final_tokens` that continues
 the notes. Questions in dual mode see reading + thinking, so the answer builds on the notes.
+
+Notes do not repeat themselves. In dual mode every unit after the first is its own turn about
+the input that arrived since the previous note: its prompt names those inputs' seqs and quotes
+their tokens (the tail of at most `quote_tokens`, copied from the reading cache's chunks, never
+re-tokenized), so a note is about fresh data instead of a copy of the notes above it. Decoding
+subtracts penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`, as on
+questions) counted over the tokens of the earlier notes (not the unit's own, so the first note
+is plain greedy). A finished dual note equal to an earlier one after whitespace normalisation is
+refused (a blank one, only whitespace, is kept: it states nothing): its tokens are cropped from the thinking cache (later units and answers never read
+it), `reasoning.done` says `repeated: true` (with the tokens it wrote), and `repeated_units` counts it. All of it depends
+only on the session's inputs, so replaying the same inputs on the same schedule rebuilds the same
+notes; the reading cache is never written.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +46,7 @@ from .jobs import UNBOUNDED, Job, Lanes, Priority
 from .kvcache import KVCache
 from .rope import rotate_keys
 from .runner import SeqStep
+from .sampling import Penalties
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -42,6 +56,25 @@ STOPS = ("sentence", "newline", "budget")
 POSITIONS = ("after", "group")
 DEFAULT_PROMPT = "Read what has arrived so far and write brief notes: key facts, names, numbers, changes."
 SENTENCE_ENDS = (".", "!", "?")
+PENALTY_NOTES = 64  # penalties count the tokens of at most this many earlier notes
+REMEMBERED_NOTES = 1024  # notes (normalized) a new note must differ from, dropped ones included
+
+
+def ends_sentence(text: str) -> bool:
+    """Whether `text` ends a sentence: '.', '!' or '?' at its end (trailing whitespace aside),
+    except a '.' right after a digit, which may be a decimal point ('temp=19.'): that one ends a
+    sentence only once whitespace follows it ('... was 19. ')."""
+    body = text.rstrip()
+    if not body.endswith(SENTENCE_ENDS):
+        return False
+    if body.endswith(".") and len(body) > 1 and body[-2].isdigit():
+        return len(body) < len(text)
+    return True
+
+
+def normalize_note(text: str) -> str:
+    """A note as compared for repeats: whitespace runs collapsed, ends stripped."""
+    return " ".join(text.split())
 
 
 @dataclass(slots=True)
@@ -56,6 +89,14 @@ class ThinkingConfig:
     offset: int = 0  # first position of the thinking stream with positions="group"
     question: str | None = None  # a question known in advance, to steer the notes
     prompt: str | None = None  # the instruction (default: DEFAULT_PROMPT)
+    quote_tokens: int = 64  # dual: tokens of the new input quoted in a later unit's prompt (0: seqs only)
+    repetition_penalty: float = 1.0  # penalties on the earlier notes' tokens (sampling.Penalties)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
     def validate(self, context_window: int) -> None:
         if self.max_tokens is None:
@@ -67,14 +108,23 @@ class ThinkingConfig:
         if self.positions not in POSITIONS:
             raise InvalidRequest(f"thinking positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
         for name, lo, hi in (("unit_tokens", 1, 1024), ("final_tokens", 0, 4096), ("every_tokens", 0, 1 << 20),
-                             ("max_tokens", 16, context_window), ("offset", 0, context_window)):
+                             ("max_tokens", 16, context_window), ("offset", 0, context_window),
+                             ("quote_tokens", 0, 4096)):
             value = getattr(self, name)
             if not lo <= value <= hi:
                 raise InvalidRequest(f"thinking {name} must be in [{lo}, {hi}], got {value}")
+        try:
+            self.penalties.validate()
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"thinking {exc}", param=exc.param) from None
 
     def instruction(self) -> str:
         text = self.prompt or DEFAULT_PROMPT
         return f"{text} Focus on what helps answer: {self.question}" if self.question else text
+
+    def follow_up(self) -> str:
+        """What a later dual unit adds after the input it quotes (short: it is paid per unit)."""
+        return f"\nFocus on what helps answer: {self.question}" if self.question else ""
 
 
 @dataclass(slots=True)
@@ -90,11 +140,13 @@ class Unit:
     started_at: float = 0.0
     done_at: float = 0.0
     visible_pos: int = 0  # the reading's next position when it started (= visible on a text model)
+    ids: list[int] = field(default_factory=list)  # the note's own tokens (what later penalties count)
+    repeated: bool = False  # equal to an earlier note: refused, its tokens cropped
 
     def public(self) -> dict:
         return {"unit": self.index, "seq_range": list(self.seqs), "visible_tokens": self.visible,
                 "tokens": self.end - self.start, "positions": list(self.positions), "text": self.text,
-                "final": self.final}
+                "final": self.final, "repeated": self.repeated}
 
 
 @dataclass(slots=True)
@@ -109,6 +161,8 @@ class ThinkingState:
     final_requested: bool = False
     final_done: bool = False
     dropped_units: int = 0
+    repeated_units: int = 0  # finished notes refused as equal to an earlier one (dual)
+    notes: OrderedDict[str, int] = field(default_factory=OrderedDict)  # normalized note -> unit index
 
     @property
     def tokens(self) -> int:
@@ -118,7 +172,10 @@ class ThinkingState:
         c = self.config
         return {"mode": c.mode, "every_tokens": c.every_tokens, "unit_tokens": c.unit_tokens, "stop": c.stop,
                 "final_tokens": c.final_tokens, "max_tokens": c.max_tokens, "positions": c.positions,
-                "units": len(self.units), "dropped_units": self.dropped_units, "thinking_tokens": self.tokens,
+                "quote_tokens": c.quote_tokens, "repetition_penalty": c.repetition_penalty,
+                "presence_penalty": c.presence_penalty, "frequency_penalty": c.frequency_penalty,
+                "units": len(self.units), "dropped_units": self.dropped_units,
+                "repeated_units": self.repeated_units, "thinking_tokens": self.tokens,
                 "visible_tokens": self.seen_tokens, "final_done": self.final_done,
                 "recent": [u.public() for u in self.units[-3:]]}
 
@@ -217,6 +274,8 @@ class ThinkJob(Job):
         self.unit: Unit | None = None
         self.first_pos: int | None = None
         self.fed: list[int] = []  # every token written by this unit
+        self.earlier: list[int] = []  # the earlier notes' tokens, which the penalties count
+        self.prev_position = state.last_position
 
     def begin(self) -> None:
         s, state, c = self.session, self.state, self.config
@@ -225,14 +284,46 @@ class ThinkJob(Job):
         first = min(state.seen_seq + 1, last)
         if not state.units or not self.dual:
             self.to_feed = s.tokenize(s.framing.question_text(c.instruction()))
-        else:
+        elif visible > state.seen_tokens:  # a turn about the input since the last note
+            self.to_feed = self._new_input_turn(first, last)
+        else:  # the final deliberation with nothing new: it continues the notes
             self.to_feed = s.tokenize("\n")
         reopen = len(s.tokenize(s.framing.between)) if not self.dual else 0
         self._make_room(len(self.to_feed) + self.budget + reopen + 1)
+        self.prev_position = state.last_position  # restored if the note is refused as a repeat
+        self.earlier = [t for u in state.units[-PENALTY_NOTES:] for t in u.ids]
         start = state.cache.length if self.dual else visible
-        self.unit = Unit(len(state.units) + state.dropped_units, (first, last), visible, start, start,
+        index = len(state.units) + state.dropped_units + state.repeated_units
+        self.unit = Unit(index, (first, last), visible, start, start,
                          final=self.final, started_at=time.monotonic(), visible_pos=s.next_position)
         state.seen_tokens, state.seen_seq = visible, last
+
+    def _new_input_turn(self, first: int, last: int) -> list[int]:
+        """A later dual unit's prompt: a new turn naming the inputs since the last note and
+        quoting the tail of their tokens, then the assistant's turn (the first unit's instruction
+        stays above). The quote takes at most `quote_tokens`, fewer where three such units would
+        not fit the thinking cache beside the first one (a small cache keeps several notes, not
+        one long quote). The quoted ids are the chunks' own tokens; frames are named, not quoted."""
+        s, state, c = self.session, self.state, self.config
+        label = f"input {first}" if first == last else f"inputs {first}-{last}"
+        head = s.tokenize(s.framing.between + f"New ({label}):\n")
+        tail = s.tokenize(c.follow_up() + s.framing.suffix)
+        cut = s.tokenize("...")
+        first_unit = state.units[0].end - state.units[0].start if state.units else 0
+        share = (state.cache.max_tokens - first_unit) // 3
+        limit = max(0, min(c.quote_tokens, share - len(head) - len(tail) - len(cut) - self.budget - 1))
+        pieces: list[list[int]] = []
+        have = 0
+        for chunk in reversed(s.chunks):
+            if chunk.seq <= state.seen_seq or have >= limit:
+                break
+            if chunk.seq and chunk.extent is None:  # text (a frame's ids are vision placeholders)
+                pieces.append(chunk.tokens)
+                have += len(chunk.tokens)
+        quoted = [t for piece in reversed(pieces) for t in piece]
+        if len(quoted) > limit:
+            quoted = cut + quoted[len(quoted) - limit:]
+        return head + quoted + tail
 
     def want(self) -> int:
         return UNBOUNDED if self.unit is None else len(self.to_feed)
@@ -318,7 +409,7 @@ class ThinkJob(Job):
             self._done()
         else:
             self.phase = "decode"
-            self._take(int(torch.argmax(rows[0])))
+            self._take(int(torch.argmax(self.config.penalties.apply(rows[0], self.earlier))))
 
     def _take(self, token: int) -> None:
         if token in self.stop_ids:
@@ -334,7 +425,7 @@ class ThinkJob(Job):
         stop, stripped = self.config.stop, text.rstrip(" ")
         if (len(self.generated) >= self.budget
                 or (stop == "newline" and stripped.endswith("\n") and stripped.strip())
-                or (stop == "sentence" and len(self.generated) > 2 and stripped.endswith(SENTENCE_ENDS))):
+                or (stop == "sentence" and len(self.generated) > 2 and ends_sentence(text))):
             self.phase = "closing"  # write this last token, then stop
 
     def _close(self) -> None:
@@ -351,11 +442,37 @@ class ThinkJob(Job):
         unit, state = self.unit, self.state
         unit.done_at = time.monotonic()
         unit.end = (state.cache if self.dual else self.session.cache).length
+        unit.ids = list(self.generated)
         if self.final:
             state.final_done = True
+        if self.dual and self._refuse_repeat():
+            return
         if not self.dual:  # its own notes are in the reading cache: they are not new input
             state.seen_tokens = self.session.cache.length
             self.session.record_reasoning(unit.start, self.fed, unit.text)
         state.units.append(unit)
         self.session.notify("reasoning.done", unit.public())
         self.done = True
+
+    def _refuse_repeat(self) -> bool:
+        """A dual note equal to an earlier one (whitespace-normalized; notes dropped for room
+        count too, up to REMEMBERED_NOTES; blank notes are never compared) is rolled back: the thinking cache is cropped to where
+        the unit started, so later units and answers never read it. Otherwise it is remembered."""
+        unit, state = self.unit, self.state
+        key = normalize_note(unit.text)
+        if not key:  # a blank note (whitespace only) states nothing that could repeat: kept as before
+            return False
+        earlier = state.notes.get(key)
+        if earlier is None:
+            state.notes[key] = unit.index
+            while len(state.notes) > REMEMBERED_NOTES:
+                state.notes.popitem(last=False)
+            return False
+        state.cache.crop(unit.start)
+        state.last_position = self.prev_position
+        state.repeated_units += 1
+        unit.repeated = True  # its reasoning.done tells how many tokens were written, then cropped
+        self.session.log.info("reasoning unit %d repeats unit %d (%r): refused", unit.index, earlier, key[:80])
+        self.session.notify("reasoning.done", unit.public())
+        self.done = True
+        return True

@@ -136,6 +136,10 @@ THINKING_FIELDS: dict[str, _Field] = {
     "offset": _Field("int", lo=0),
     "question": _Field("str", limit="max_question_chars"),
     "prompt": _Field("str", limit="max_question_chars"),
+    "quote_tokens": _Field("int", lo=0),
+    "repetition_penalty": PENALTY_FIELDS["repetition_penalty"],  # on the earlier notes' tokens
+    "presence_penalty": PENALTY_FIELDS["presence_penalty"],
+    "frequency_penalty": PENALTY_FIELDS["frequency_penalty"],
 }
 WINDOW_FIELDS: dict[str, _Field] = {
     "max_tokens": _Field("int", True, lo=1),
