@@ -93,7 +93,7 @@ class Ours:
         return self.state.cache.length - start, time.perf_counter() - started
 
     async def ask(self, question: str, tokens: int):
-        answer = await self.session.ask(question, max_tokens=tokens)
+        answer = await self.session.ask(question, max_tokens=tokens, end_bias=None, frequency_penalty=None)  # N tokens
         return answer
 
     def ids(self, question: str) -> tuple[list[int], list[int]]:

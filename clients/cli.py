@@ -10,8 +10,9 @@ from pathlib import Path
 
 from streamer.cliargs import (CliError, bounded, fail, nonnegative_float, nonnegative_int, positive_int, read_text,
                               ws_url)
+from streamer.sessions.errors import Code
 
-from .client import StreamerClient, StreamerError
+from .client import ANSWER_STYLE, SYSTEM_PROMPT, StreamerClient, StreamerError
 
 DEFAULT_URL = "ws://127.0.0.1:8765"
 # When `client stream` asks over what has been read (query.create `over: "read"`) instead of
@@ -23,6 +24,8 @@ LAG_INPUTS = 4
 
 def url_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", type=ws_url, default=DEFAULT_URL, help="service URL (default: %(default)s)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="API key for a service started with --api-keys-file (default: $STREAMER_API_KEY)")
 
 
 ANSWER_FLAGS = (
@@ -30,16 +33,18 @@ ANSWER_FLAGS = (
      "scale down tokens the answer already produced, in (0, 10] (default: 1, off)"),
     ("presence_penalty", bounded(float, -2.0, 2.0), "subtract once from tokens the answer produced, in [-2, 2] (default: 0)"),
     ("frequency_penalty", bounded(float, -2.0, 2.0),
-     "subtract per time a token was produced, in [-2, 2] (default: 0; `streamer demo` uses 0.3)"),
+     f"subtract per time a token was produced, in [-2, 2] (default: {ANSWER_STYLE['frequency_penalty']:g}, as "
+     "`streamer demo`; 0: off)"),
     ("end_bias", bounded(float, -10.0, 10.0),
      ("add to the end-of-answer tokens' logits, in [-10, 10]: above 0 answers end sooner "
-      "(default: 0; `streamer demo` uses 3)")),
+      f"(default: {ANSWER_STYLE['end_bias']:g}, as `streamer demo`; 0: off)")),
 )
 
 
 def answer_arguments(parser: argparse.ArgumentParser) -> None:
     """--repetition-penalty, --presence-penalty, --frequency-penalty, --end-bias (docs/protocol.md,
-    "Penalties"); unset ones are not sent, so the service's defaults (off) apply."""
+    "Penalties"); unset ones take the SDK's ANSWER_STYLE (frequency penalty and end bias as
+    `streamer demo`, which stop the embedded model's loops) or else the service's defaults (off)."""
     for name, kind, help_text in ANSWER_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
 
@@ -66,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=(f"a session whose newest ack's lag_ms is over MS (or with more than {LAG_INPUTS} "
                               "unacknowledged inputs) is lagging: --ask questions are then answered now over what "
                               "it has read (over: read) instead of after its backlog (default: %(default)s)"))
-    stream.add_argument("--system-prompt", default=None, help="system prompt for the session")
+    stream.add_argument("--system-prompt", default=SYSTEM_PROMPT,
+                        help="system prompt for the session (default: %(default)r)")
     stream.add_argument("--flash", action="append", default=[], metavar="QUESTION",
                         help="register a flash question (repeatable): re-answered after every chunk, printed on change")
     stream.add_argument("--thinking", choices=["off", "interleaved", "dual"], default=None,
@@ -109,7 +115,7 @@ async def stream_file(args: argparse.Namespace) -> int:
     text = read_text(args.file)  # before connecting: a bad file costs no session
     pieces = chunks_of(text, args.chunk_chars)
     emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
-    async with await StreamerClient.connect(args.url) as client:
+    async with await StreamerClient.connect(args.url, args.api_key) as client:
         flash = [{"question": q, **answer_options(args)} for q in args.flash] or None
         thinking = {"mode": args.thinking} if args.thinking else None
         session = await client.create_session(args.system_prompt, flash=flash, thinking=thinking)
@@ -199,7 +205,7 @@ def _say(emit, line: str, /, **fields) -> None:
 
 async def ask_once(args: argparse.Namespace) -> int:
     context = read_text(args.context, "--context") if args.context else ""
-    async with await StreamerClient.connect(args.url) as client:
+    async with await StreamerClient.connect(args.url, args.api_key) as client:
         session = await client.create_session()
         for piece in chunks_of(context, 2000):
             await session.append(piece)
@@ -226,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     except CliError as exc:
         return fail(prog, exc, exc.exit_code)
     except StreamerError as exc:
+        if exc.code == Code.UNAUTHORIZED:  # by code: the service's message speaks of HTTP headers
+            return fail(prog, f"{args.url} needs an API key to create a session: set $STREAMER_API_KEY or pass "
+                              "--api-key (a key from the server's --api-keys-file)")
         return fail(prog, f"the service refused it: {exc}")
     except KeyboardInterrupt:
         return 130
@@ -248,8 +257,8 @@ def connection_problem(exc: Exception, url: str) -> str | None:
     if isinstance(exc, InvalidStatus):
         status = exc.response.status_code
         if status == 401:
-            return (f"{url} refused the API key (HTTP 401): set $STREAMER_API_KEY to a key from the "
-                    "server's --api-keys-file")
+            return (f"{url} refused the API key (HTTP 401): set $STREAMER_API_KEY (or pass --api-key) to a key "
+                    "from the server's --api-keys-file")
         return f"{url} answered HTTP {status} instead of opening a websocket: is it a streamer service?"
     if isinstance(exc, InvalidHandshake):
         return f"{url} did not answer as a websocket server ({exc}): is it a streamer service?"

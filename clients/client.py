@@ -9,6 +9,13 @@
 One reader task dispatches server events: replies resolve by `reply_to` (every command sends a
 fresh `event_id`), query deltas go to the query's stream by `query_id`. An `error` event
 becomes a `StreamerError` raised from the call that caused it.
+
+Sessions it creates get SYSTEM_PROMPT, and its questions and flash questions ANSWER_STYLE,
+where the call does not say otherwise: an explicit argument wins, and `system_prompt=None` or a
+style field passed as None leaves that to the service's default. Without them the embedded model
+answered "Who is the keeper?" after "The keeper's name is Ada Morrow." with "The document is a
+collection of books...", and looped ("The video was cut to the next frame, and the next frame
+was cut to the next frame, ...").
 """
 
 from __future__ import annotations
@@ -29,6 +36,13 @@ from streamer.sessions.errors import Code
 
 
 CONNECTION_CLOSED = "connection_closed"  # the SDK's own code: the websocket closed under a request
+# What sessions created here are told. The service's default speaks of a streamed document and
+# asks for answers "briefly and accurately"; on the embedded model a few words answer the
+# question asked, about text or video, where the default drifted ("a collection of books").
+SYSTEM_PROMPT = "You are a helpful assistant. Answer in a few words."
+# The answer style of questions and flash questions asked here: `streamer demo`'s, which makes
+# the embedded model stop after the sentence that answers (docs/protocol.md, "Penalties").
+ANSWER_STYLE: dict[str, float] = {"frequency_penalty": 0.3, "end_bias": 3.0}
 
 
 class StreamerError(Exception):
@@ -147,10 +161,12 @@ class Session:
 
     async def ask_stream(self, question: str, *, over: str | None = None, **options: Any) -> QueryStream:
         """Start a question; returns its stream at once (options: max_tokens, temperature,
-        top_p, top_k, seed, stop, repetition_penalty, presence_penalty, frequency_penalty, end_bias).
+        top_p, top_k, seed, stop, repetition_penalty, presence_penalty, frequency_penalty, end_bias;
+        ANSWER_STYLE where not given).
         `over="read"`: answer now over what the session has read, without waiting for its backlog
         of unread input (the answer's `unread_inputs` says how many inputs it did not see);
         "sent" (the server's default): over every input sent before the question."""
+        options = {**ANSWER_STYLE, **options}  # what the call names wins
         query_id = options.pop("query_id", None) or f"c{next(self.client._ids)}"
         stream = QueryStream(self, query_id)
         self.client._streams[(self.id, query_id)] = stream
@@ -170,8 +186,9 @@ class Session:
 
     async def register_flash(self, question: str, **options: Any) -> dict:
         """Register a flash question (options: flash_id, max_tokens, priority, min_interval_ms,
-        confirm, repetition_penalty, presence_penalty, frequency_penalty, end_bias); its `flash.updated` events arrive on `client.events()`."""
-        msg = command("flash.register", session_id=self.id, question=question, **options)
+        confirm, repetition_penalty, presence_penalty, frequency_penalty, end_bias; ANSWER_STYLE
+        unless given); its `flash.updated` events arrive on `client.events()`."""
+        msg = command("flash.register", session_id=self.id, question=question, **{**ANSWER_STYLE, **options})
         return (await self.client.request(msg))["flash"]
 
     async def unregister_flash(self, flash_id: str) -> None:
@@ -230,9 +247,12 @@ class StreamerClient:
         await self.ws.close()
         self._reader.cancel()
 
-    async def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
+    async def create_session(self, system_prompt: str | None = SYSTEM_PROMPT, session_id: str | None = None,
                              flash: list[dict] | None = None, thinking: dict | None = None,
                              window: dict | None = None) -> Session:
+        """A new session (`system_prompt=None`: the service's default prompt; each `flash`
+        question takes ANSWER_STYLE where it does not say)."""
+        flash = [{**ANSWER_STYLE, **question} for question in flash] if flash else flash
         msg = command("session.create", system_prompt=system_prompt, session_id=session_id, flash=flash,
                       thinking=thinking, window=window)
         return Session(self, await self.request(msg))

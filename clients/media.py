@@ -22,10 +22,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from streamer.cliargs import CliError, nonnegative_float, positive_float, positive_int
+from streamer.sessions.errors import Code
 
 from .client import StreamerClient
 
 IMAGE_SUFFIXES = {".jpg": "jpeg", ".jpeg": "jpeg", ".png": "png"}
+UNACKED = 16  # media frames sent ahead of their acks
+ACK_TIMEOUT_S = 120.0  # how long a frame's ack is waited for before the stream goes on without it
 PASSTHROUGH = {".webm": "webm", ".mkv": "webm", ".ts": "mpegts", ".m2ts": "mpegts"}
 
 
@@ -278,15 +281,20 @@ async def stream_media(args: argparse.Namespace) -> int:
         probe(path)  # before connecting: a file the service cannot read costs no session
         live = args.realtime
         pieces = file_pieces(path, args.piece_bytes, live)
-    async with await StreamerClient.connect(args.url) as client:
+    async with await StreamerClient.connect(args.url, args.api_key) as client:
         window = {"max_tokens": args.window} if args.window else None
         session = await client.create_session(window=window)
         _say(emit, f"session {session.id} on {session.model}", event="session", session_id=session.id)
-        acks: dict[int, asyncio.Future] = {}
+        acks = _Acks()
         printer = asyncio.get_running_loop().create_task(_print_events(client, emit, acks))
-        sent = await _send_all(session, pieces, args, live, acks)
-        if acks:
-            await asyncio.wait(list(acks.values()), timeout=120)
+        try:
+            sent = await _send_all(session, pieces, args, live, acks)
+            await acks.wait(0)
+        except MediaRefused as exc:
+            printer.cancel()
+            await session.close()
+            raise CliError(f"{args.url} takes no media ({exc}): start `streamer serve` there without --no-media, "
+                           "or stream text with `streamer client stream`", exit_code=3) from None
         state = await _settle(session)
         media = state.get("media", {})
         _say(emit, f"sent {sent} media frames; media state: {json.dumps(media)}", event="done", sent=sent,
@@ -294,7 +302,7 @@ async def stream_media(args: argparse.Namespace) -> int:
         for question in args.ask:
             answer = await session.ask(question, max_tokens=args.max_tokens, **answer_options(args))
             _say(emit, f"Q: {question}\nA: {answer.text.strip()}", event="answer", question=question,
-                 text=answer.text)
+                 text=answer.text, tokens=answer.tokens, finish_reason=answer.finish_reason)
         await session.close()
         printer.cancel()
     errors = sum(s.get("errors", 0) for s in media.values() if isinstance(s, dict))
@@ -304,8 +312,45 @@ async def stream_media(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _send_all(session, pieces, args, live: bool, acks: dict) -> int:
-    loop = asyncio.get_running_loop()
+class MediaRefused(Exception):
+    """The service refused a media frame as a whole because it takes no media (`--no-media`)."""
+
+
+class _Acks:
+    """Media frames sent and not yet acknowledged, and whether the service refused media
+    altogether (its `unexpected_binary` error names no frame, so no ack would ever come)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, asyncio.Future] = {}
+        self.refused: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+
+    def sent(self, seq: int) -> None:
+        self.pending[seq] = asyncio.get_running_loop().create_future()
+
+    def settle(self, seq: int | None, event: dict) -> None:
+        """Frame `seq` got its ack (or an error for the whole frame)."""
+        fut = self.pending.pop(seq, None)
+        if fut is not None and not fut.done():
+            fut.set_result(event)
+
+    def refuse(self, error: dict) -> None:
+        if not self.refused.done():
+            self.refused.set_result(error)
+
+    async def wait(self, unacked: int) -> None:
+        """Until at most `unacked` frames wait for their ack (one that takes ACK_TIMEOUT_S is
+        given up on); raises MediaRefused as soon as the service refuses media."""
+        while len(self.pending) > unacked and not self.refused.done():
+            oldest = min(self.pending)
+            await asyncio.wait([self.pending[oldest], self.refused], timeout=ACK_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+            self.pending.pop(oldest, None)
+        if self.refused.done():
+            error = self.refused.result()
+            raise MediaRefused(f"{error['code']}: {error['message']}")
+
+
+async def _send_all(session, pieces, args, live: bool, acks: _Acks) -> int:
     started, t0, seq = time.monotonic(), time.time(), 0
     last = None
     async for kind, fmt, payload, media_t, extra in _aiter(pieces):
@@ -315,22 +360,21 @@ async def _send_all(session, pieces, args, live: bool, acks: dict) -> int:
             delay = started + media_t - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-        await _send(session, (kind, fmt, payload, seq, t0 + media_t, extra), acks, loop, live)
+        await _send(session, (kind, fmt, payload, seq, t0 + media_t, extra), acks, live)
+        await acks.wait(0 if seq == 0 else UNACKED)  # the first frame's ack (or refusal) before more go
         last = (kind, fmt, t0 + media_t, extra)
         seq += 1
     if last is not None and last[0] != "image":  # the stream is finished: flush the decoder
         kind, fmt, ts, extra = last
-        await _send(session, (kind, fmt, b"", seq, ts, {**extra, "end": True}), acks, loop, live)
+        await _send(session, (kind, fmt, b"", seq, ts, {**extra, "end": True}), acks, live)
         seq += 1
     return seq
 
 
-async def _send(session, item, acks, loop, live: bool) -> None:
+async def _send(session, item, acks: _Acks, live: bool) -> None:
     kind, fmt, payload, seq, ts, extra = item
-    acks[seq] = loop.create_future()
+    acks.sent(seq)
     await session.send_media(kind, fmt, payload, seq, ts, live=live if kind != "audio" else None, **extra)
-    if len(acks) > 16:  # keep at most this many frames unacknowledged
-        await asyncio.wait([acks[min(acks)]], timeout=120)
 
 
 async def _aiter(pieces) -> AsyncIterator:
@@ -354,13 +398,11 @@ async def _settle(session, limit: float = 120.0) -> dict:
         await asyncio.sleep(0.1)
 
 
-async def _print_events(client, emit, acks: dict) -> None:
+async def _print_events(client, emit, acks: _Acks) -> None:
     async for event in client.events():
         kind = event["type"]
         if kind == "input.ack" and "media_seq" in event:
-            fut = acks.pop(event["media_seq"], None)
-            if fut is not None and not fut.done():
-                fut.set_result(event)
+            acks.settle(event["media_seq"], event)
         elif kind == "media.observation":
             what = (event.get("text") or "").strip() or f"a frame of {event.get('visual_tokens')} visual tokens " \
                 f"in the cache ({event.get('encoder')})"
@@ -370,10 +412,10 @@ async def _print_events(client, emit, acks: dict) -> None:
             mark = "final" if event["final"] else "partial"
             _say(emit, f"  [{event['start_s']:.1f}-{event['end_s']:.1f}s {mark}] {event['text']}",
                  event="transcript", **{k: event.get(k) for k in ("start_s", "end_s", "text", "final", "segment")})
+        elif kind == "error" and event["error"]["code"] == Code.UNEXPECTED_BINARY:
+            acks.refuse(event["error"])  # the stream stops with one line, not one per frame
         elif kind == "error":
-            fut = acks.pop(event.get("media_seq"), None)  # a frame that failed as a whole
-            if fut is not None and not fut.done():
-                fut.set_result(event)
+            acks.settle(event.get("media_seq"), event)  # a frame that failed as a whole
             err = event["error"]
             _say(emit, f"  ! {err['code']}: {err['message']}", event="error", **err)
 

@@ -2,7 +2,8 @@
 
 - ```python blocks run as written (a fresh namespace, as `python file.py` would), against a real
   server: `ws://127.0.0.1:8765` becomes the test server's URL and a placeholder model path
-  becomes the tiny one (SUBSTITUTIONS);
+  becomes the tiny one (SUBSTITUTIONS); one that asks a question of FACTS runs on the embedded
+  model, and its answers must name the fact;
 - ```sh blocks run line by line: `streamer serve ...` starts a real server process on a free
   port (with the tiny model and an in-memory store unless the line names its own), every
   `streamer client ...` runs against the server its block started (or the test server: `--url`
@@ -37,6 +38,11 @@ ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- (not run by|parsed by) tests/streamer/test_docs\.py(?:, not run)?: (.+?) -->")
 SUBSTITUTIONS = {'"path/to/Qwen2.5-VL-3B-Instruct"': '"tiny"'}  # plus the server URL
+# A Python block that asks one of these questions runs on the embedded model, as `streamer
+# serve` starts it (the tiny model answers noise), and every answer to the question must name
+# the fact the block told the session (the README's once answered "The document is a collection
+# of books...").
+FACTS = {"Who is the keeper?": "Ada Morrow"}
 DEFAULT_URL = "ws://127.0.0.1:8765"
 
 
@@ -98,6 +104,13 @@ def test_every_block_says_what_it_is():
 def docs_server(tiny_engine):
     with ThreadedServer(tiny_engine) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def embedded_docs_server():
+    server = Serve(["streamer", "serve", "--model", "embedded"])
+    yield server
+    assert server.stop() == 0, "".join(server.output[-20:])
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +248,22 @@ def run_python(block: Block, url: str) -> str:
     return out.getvalue()
 
 
+def record_answers(monkeypatch) -> list[tuple[str, str]]:
+    """(question, answer text) of every `Session.ask` from here on (the real call runs)."""
+    from streamer.clients.client import Session
+
+    seen: list[tuple[str, str]] = []
+    ask = Session.ask
+
+    async def recording(self, question: str, **options):
+        answer = await ask(self, question, **options)
+        seen.append((question, answer.text))
+        return answer
+
+    monkeypatch.setattr(Session, "ask", recording)
+    return seen
+
+
 @pytest.mark.parametrize("block", CODE, ids=[b.name for b in CODE])
 def test_block(block: Block, request):
     if block.mode == "skip":
@@ -246,7 +275,15 @@ def test_block(block: Block, request):
         return
     server = request.getfixturevalue("docs_server")
     if block.lang == "python":
-        run_python(block, server.url)
+        facts = {q: fact for q, fact in FACTS.items() if q in block.text}
+        if not facts:
+            run_python(block, server.url)
+            return
+        answers = record_answers(request.getfixturevalue("monkeypatch"))
+        run_python(block, request.getfixturevalue("embedded_docs_server").url)
+        for question, fact in facts.items():
+            said = [text for q, text in answers if q == question]
+            assert said and all(fact in text for text in said), f"{block.name}: {question!r} answered {said}"
         return
     needs_media = any("media" in argv[:3] for argv in commands(block.text))
     if needs_media:

@@ -275,7 +275,7 @@ def test_client_sdk_many_sessions_concurrently(tiny_engine):
                 for k in range(3):
                     ack = await session.append(f"Fact {k} of session {i}. ")
                     assert ack.seq == k + 1
-                answer = await session.ask("Which session?", max_tokens=4)
+                answer = await session.ask("Which session?", max_tokens=4, end_bias=None)  # no SDK end bias: 4 tokens
                 assert answer.tokens == 4 and answer.context_tokens == ack.total_tokens
                 with_error = None
                 try:
