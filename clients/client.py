@@ -40,8 +40,10 @@ CONNECTION_CLOSED = "connection_closed"  # the SDK's own code: the websocket clo
 # asks for answers "briefly and accurately"; on the embedded model a few words answer the
 # question asked, about text or video, where the default drifted ("a collection of books").
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in a few words."
-# The answer style of questions and flash questions asked here: `streamer demo`'s, which makes
-# the embedded model stop after the sentence that answers (docs/protocol.md, "Penalties").
+# The answer style of questions and flash questions asked here (`streamer demo` asks with it too).
+# The embedded model answers in its first sentence, then loops ("The island has 12 kittens. The
+# island has 12 kittens. ...") or invents more; the end bias lets it stop after the sentence that
+# answers, the frequency penalty breaks a loop that starts anyway (docs/protocol.md, "Penalties").
 ANSWER_STYLE: dict[str, float] = {"frequency_penalty": 0.3, "end_bias": 3.0}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -16,12 +17,16 @@ log = logging.getLogger(__name__)
 
 def build_engine(model: str = "embedded", dtype: str = "float32", device: str = "cpu",
                  limits: EngineLimits | None = None, threads: int | None = None,
-                 weights: str = "auto") -> Engine:
+                 weights: str = "auto", check: Callable[[ModelRunner], None] | None = None) -> Engine:
     """Load a model, put its linear layers in the weight format (`auto`: streamer.sessions.weights
-    AUTO_RULE; WeightFormatError for a combination that cannot run) and start its engine thread."""
+    AUTO_RULE; WeightFormatError for a combination that cannot run) and start its engine thread.
+    `check(runner)` runs between the two (the CLI refuses a KV budget too small for the model)."""
     if threads:
         torch.set_num_threads(threads)
-    return Engine(build_runner(model, dtype, device, weights), limits).start()
+    runner = build_runner(model, dtype, device, weights)
+    if check is not None:
+        check(runner)
+    return Engine(runner, limits).start()
 
 
 def build_runner(model: str = "embedded", dtype: str = "float32", device: str = "cpu",

@@ -154,21 +154,16 @@ def _build_engine(args: argparse.Namespace, limits):
     """Load the model and start the engine (streamer.app.build_engine, with the KV budget checked
     between the two: the pool is built with the engine); a model or backend that cannot load, or
     a budget that cannot hold one session, is a CliError."""
-    import torch
-
-    from streamer.app import build_runner
+    from streamer.app import build_engine
     from streamer.kernels.backend import BackendUnavailable
-    from streamer.sessions.engine import Engine
     from streamer.sessions.models import ModelLoadError
     from streamer.sessions.weights import WeightFormatError
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from_flag = bool(args.kv_budget_mb) and limits.kv_budget_bytes == args.kv_budget_mb << 20
+    flag = "--kv-budget-mb" if from_flag else "kv_budget_bytes"
     try:
-        runner = build_runner(args.model, args.dtype, args.device, args.weights)
-        from_flag = bool(args.kv_budget_mb) and limits.kv_budget_bytes == args.kv_budget_mb << 20
-        check_kv_budget(runner, limits, "--kv-budget-mb" if from_flag else "kv_budget_bytes")
-        return Engine(runner, limits).start()
+        return build_engine(args.model, args.dtype, args.device, limits, args.threads, args.weights,
+                            check=lambda runner: check_kv_budget(runner, limits, flag))
     except (ModelLoadError, BackendUnavailable, WeightFormatError) as exc:
         raise CliError(str(exc)) from None
 

@@ -59,14 +59,8 @@ async def _stream_and_ask(url: str, text: str, questions: list[dict], chunk_char
           "once, as it arrived.")
 
 
-# The embedded model answers in its first sentence, then loops ("The island has 12 kittens. The
-# island has 12 kittens. ...") or invents more; the end bias lets it stop after the sentence that
-# answers, the frequency penalty breaks a loop that starts anyway (docs/protocol.md, "Penalties").
-DEMO_PENALTIES = {"frequency_penalty": 0.3, "end_bias": 3.0}
-
-
 async def _ask(session, q: dict) -> tuple:
-    answer = await session.ask(q["question"], max_tokens=48, **DEMO_PENALTIES)
+    answer = await session.ask(q["question"], max_tokens=48)  # the SDK's ANSWER_STYLE
     t = answer.timing
     found = [k for k in q.get("expect", []) if k.lower() in answer.text.lower()]
     verdict = ""

@@ -34,7 +34,7 @@ from urllib.parse import parse_qs
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from streamer.auth import key_from_request
+from streamer.auth import ALL_SESSIONS, NO_SESSIONS, key_from_request
 from streamer.sessions.errors import EngineError
 
 
@@ -54,14 +54,12 @@ _NO_KEY = object()  # no valid API key on the request
 
 def _viewer(server, request: Request):
     """Whose sessions the request's API key may read: None for all (an operator key, or any
-    request on a server without keys), a tenant key's name for its own, `_NO_KEY` for none."""
-    keys = server.config.api_keys
-    if not keys.enabled:
+    request on a server without keys), a tenant key's name for its own, `_NO_KEY` for none
+    (no key, or an unknown one)."""
+    viewer = server.config.api_keys.viewer(key_from_request(request.headers, request.path))
+    if viewer is ALL_SESSIONS:
         return None
-    name = keys.check(key_from_request(request.headers, request.path))
-    if name is None:
-        return _NO_KEY
-    return None if keys.role(name) == "operator" else name
+    return _NO_KEY if viewer is None or viewer is NO_SESSIONS else viewer
 
 
 def _query(request: Request) -> dict[str, str]:
