@@ -26,8 +26,9 @@ re-tokenized), so a note is about fresh data instead of a copy of the notes abov
 subtracts penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`, as on
 questions) counted over the tokens of the earlier notes (not the unit's own, so the first note
 is plain greedy). A finished dual note equal to an earlier one after whitespace normalisation is
-refused (a blank one, only whitespace, is kept: it states nothing): its tokens are cropped from the thinking cache (later units and answers never read
-it), `reasoning.done` says `repeated: true` (with the tokens it wrote), and `repeated_units` counts it. All of it depends
+refused (a blank one, only whitespace, is kept: it states nothing): its tokens are cropped from
+the thinking cache (later units and answers never read it), `reasoning.done` says
+`repeated: true` (with the tokens it wrote), and `repeated_units` counts it. All of it depends
 only on the session's inputs, so replaying the same inputs on the same schedule rebuilds the same
 notes; the reading cache is never written.
 """
@@ -275,7 +276,6 @@ class ThinkJob(Job):
         self.first_pos: int | None = None
         self.fed: list[int] = []  # every token written by this unit
         self.earlier: list[int] = []  # the earlier notes' tokens, which the penalties count
-        self.prev_position = state.last_position
 
     def begin(self) -> None:
         s, state, c = self.session, self.state, self.config
@@ -290,7 +290,6 @@ class ThinkJob(Job):
             self.to_feed = s.tokenize("\n")
         reopen = len(s.tokenize(s.framing.between)) if not self.dual else 0
         self._make_room(len(self.to_feed) + self.budget + reopen + 1)
-        self.prev_position = state.last_position  # restored if the note is refused as a repeat
         self.earlier = [t for u in state.units[-PENALTY_NOTES:] for t in u.ids]
         start = state.cache.length if self.dual else visible
         index = len(state.units) + state.dropped_units + state.repeated_units
@@ -456,8 +455,9 @@ class ThinkJob(Job):
 
     def _refuse_repeat(self) -> bool:
         """A dual note equal to an earlier one (whitespace-normalized; notes dropped for room
-        count too, up to REMEMBERED_NOTES; blank notes are never compared) is rolled back: the thinking cache is cropped to where
-        the unit started, so later units and answers never read it. Otherwise it is remembered."""
+        count too, up to REMEMBERED_NOTES; blank notes are never compared) is rolled back: the
+        thinking cache is cropped to where the unit started, so later units and answers never
+        read it. Otherwise it is remembered."""
         unit, state = self.unit, self.state
         key = normalize_note(unit.text)
         if not key:  # a blank note (whitespace only) states nothing that could repeat: kept as before
@@ -469,7 +469,7 @@ class ThinkJob(Job):
                 state.notes.popitem(last=False)
             return False
         state.cache.crop(unit.start)
-        state.last_position = self.prev_position
+        state.last_position = state.units[-1].positions[1] if state.units else -1  # as window re-anchoring
         state.repeated_units += 1
         unit.repeated = True  # its reasoning.done tells how many tokens were written, then cropped
         self.session.log.info("reasoning unit %d repeats unit %d (%r): refused", unit.index, earlier, key[:80])

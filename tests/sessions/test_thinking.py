@@ -130,7 +130,8 @@ def test_thinking_cache_is_bounded(tiny):
     ({"mode": "sideways"}, "mode must be one of"), ({"mode": "dual", "unit_tokens": 0}, "unit_tokens"),
     ({"mode": "dual", "stop": "never"}, "stop must be"), ({"mode": "dual", "positions": "before"}, "positions"),
     ({"mode": "dual", "max_tokens": 1}, "max_tokens"), ({"mode": "dual", "colour": "red"}, "bad thinking settings"),
-    ({"mode": "dual", "quote_tokens": -1}, "quote_tokens"), ({"mode": "dual", "presence_penalty": 5}, "presence_penalty"),
+    ({"mode": "dual", "quote_tokens": -1}, "quote_tokens"),
+    ({"mode": "dual", "presence_penalty": 5}, "presence_penalty"),
     ({"mode": "dual", "repetition_penalty": 0}, "repetition_penalty"),
 ])
 def test_bad_thinking_settings(tiny, settings, match):
@@ -293,3 +294,14 @@ def test_embedded_model_notes_on_a_changing_sensor_feed_are_all_different(embedd
     state = engine.engine.sessions[sid].thinking
     assert state.cache.length == state.units[-1].end
     assert len(state.units) + state.dropped_units + state.repeated_units == len(inputs)
+
+
+def test_a_decimal_point_does_not_end_a_sentence():
+    """stop="sentence" ended the embedded model's notes at '* Sensor A: 19.' (a temperature cut
+    at its decimal point); a '.' after a digit now ends a sentence only once whitespace follows."""
+    from streamer.sessions.thinking import ends_sentence
+
+    assert not ends_sentence("* Sensor A: 19.") and not ends_sentence("temp=19.5")
+    assert ends_sentence("The temperature fell to 19. ") and ends_sentence("fell to 19.\n")
+    assert ends_sentence("Ada keeps the light.") and ends_sentence("Who keeps it?") and ends_sentence("No! ")
+    assert not ends_sentence("Summary:\n")
