@@ -167,7 +167,7 @@ async def _print_events(client, emit) -> None:
             _say(emit, f"  * flash [{event['flash_id']}] v{event['data_version']}: {event['answer'].strip()} "
                        f"(gap {event['confidence']['logit_gap']:.2f})", event="flash", **{
                            k: event[k] for k in ("flash_id", "question", "answer", "data_version", "confidence")})
-        elif kind == "reasoning.done":
+        elif kind == "reasoning.done" and not event.get("repeated"):  # a repeated note is dropped
             _say(emit, f"  ~ notes (unit {event['unit']}, inputs {event['seq_range']}): {event['text'].strip()}",
                  event="reasoning", unit=event["unit"], text=event["text"], seq_range=event["seq_range"])
 

@@ -129,7 +129,7 @@ function handle(ev) {
     case "flash.updated": updateFlash(ev); renderFlash(); break;
     case "flash.stale": markStale(ev); renderFlash(); break;
     case "reasoning.delta": appendReasoning(ev.delta); break;
-    case "reasoning.done": appendReasoning("\n"); break;
+    case "reasoning.done": endNote(ev); break;
     case "action.chunk": addAction(`#${ev.seq} chunk: ${(ev.actions || []).length} actions, t0 ${fmtTime(ev.t0)}`); break;
     case "action.command": addAction(`rule ${ev.rule_id} fired: ${JSON.stringify(ev.command)}` +
                                      (ev.media_s != null ? ` at ${fmtMediaTime(ev.media_s)}` : "")); break;
@@ -361,10 +361,25 @@ function renderChart() {
   });
 }
 
+let noteText = "";  // the note being written: its deltas so far
+
 function appendReasoning(text) {
+  noteText += text;
   const pre = $("reasoning");
   pre.textContent = (pre.textContent + text).slice(-4000);
   pre.scrollTop = pre.scrollHeight;
+}
+
+// A note equal to an earlier one is dropped by the server (reasoning.done `repeated`): take its
+// text back off the panel, as later answers never read it either.
+function endNote(ev) {
+  const pre = $("reasoning");
+  if (ev.repeated && noteText && pre.textContent.endsWith(noteText)) {
+    pre.textContent = pre.textContent.slice(0, -noteText.length);
+  } else {
+    pre.textContent = (pre.textContent + "\n").slice(-4000);
+  }
+  noteText = "";
 }
 
 function addAction(text) {

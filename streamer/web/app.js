@@ -101,7 +101,7 @@ function attach(session) {
   session.on("media.observation", onObservation);
   session.on("media.transcript", onTranscript);
   session.on("reasoning.delta", (ev) => appendReasoning(ev.delta));
-  session.on("reasoning.done", () => appendReasoning("\n"));
+  session.on("reasoning.done", (ev) => endNote(ev));
   session.on("error", (ev) => showError(ev.error));
   session.on("session.lost", (ev) => { showError(ev.error, "the session is gone"); detach(); });
   session.on("*", () => renderVersion());
@@ -292,10 +292,25 @@ function feed(listId, text, label) {
   return item;
 }
 
+let noteText = "";  // the note being written: its deltas so far
+
 function appendReasoning(text) {
+  noteText += text;
   const pre = $("reasoning");
   pre.textContent = (pre.textContent + text).slice(-4000);
   pre.scrollTop = pre.scrollHeight;
+}
+
+// A note equal to an earlier one is dropped by the server (reasoning.done `repeated`): take its
+// text back off the panel, as later answers never read it either.
+function endNote(ev) {
+  const pre = $("reasoning");
+  if (ev.repeated && noteText && pre.textContent.endsWith(noteText)) {
+    pre.textContent = pre.textContent.slice(0, -noteText.length);
+  } else {
+    pre.textContent = (pre.textContent + "\n").slice(-4000);
+  }
+  noteText = "";
 }
 
 // ---- questions -------------------------------------------------------------------------------

@@ -267,3 +267,42 @@ def test_a_lagging_session_is_asked_over_what_it_has_read(page_engine):
                 assert sent == (2 if asked[1] == "read" else 1) and await page.eval(f"{APP}.overRead") is False
 
     serve(page_engine, run)
+
+
+def test_a_repeated_note_is_taken_off_the_reasoning_panel(tokenizer):
+    """Dual thinking on the parrot (every note it writes is the same): the server drops the
+    repeats (reasoning.done `repeated`), and the page takes their streamed text back off its
+    reasoning panel, so it shows the one kept note, as later answers read it."""
+    from parrot import parrot_runner
+
+    from streamer.sessions.engine import Engine, EngineLimits
+
+    engine = Engine(parrot_runner(tokenizer), EngineLimits(max_context_tokens=2048)).start()
+
+    async def run(url, server):
+        async with Browser() as page:
+            await open_app(page, url)
+            await page.eval(f"{el('thinking', 'checked')} = true")
+            sid = await new_session(page)
+            # counted after the page's own handler has run (listeners run in the order they were added)
+            await page.eval(f"window.dones = 0; window.lastSeq = 0; {APP}.session.on('reasoning.done', "
+                            "(ev) => { window.dones += 1; window.lastSeq = ev.seq_range[1]; })")
+            for row in ("row 1: temp=20.1C", "row 2: temp=20.3C", "row 3: temp=87.5C"):
+                await fill(page, "text-input", row)
+                await click(page, "send-text")
+                await page.wait_for(f"{el('text-note')}.includes('in the cache')", 60)
+            # the note over the last row is the last one (rows that arrive while a note is written
+            # are read by the next one: 2 or 3 notes)
+            await page.wait_for("window.lastSeq >= 3", 120)
+            state = await asyncio.wrap_future(server.engine.session_state(sid))
+            thinking = state["thinking"]
+            assert thinking["units"] == 1 and thinking["repeated_units"] >= 1, thinking
+            assert await page.eval("window.dones") == thinking["units"] + thinking["repeated_units"]
+            kept = state["thinking"]["recent"][0]["text"]
+            shown = await page.eval(el("reasoning"))
+            assert shown.split() == kept.split(), (shown, kept)
+
+    try:
+        serve(engine, run)
+    finally:
+        engine.stop()
