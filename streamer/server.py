@@ -35,6 +35,7 @@ from .handlers import Peer, Services
 from .media import MediaConfig, MediaHub
 from .metrics import render as render_metrics
 from .protocol import ProtocolLimits
+from .realtime import RealtimeConnection, is_realtime
 from .resume import DEFAULT_DETACH_TTL_S, Resumer
 from .snapshots import DEFAULT_SNAPSHOT_INTERVAL_S, Snapshots
 from .store import heartbeat_loop, open_store
@@ -227,8 +228,9 @@ class StreamerServer:
         return ended
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(ws, self.services, self.api_key_name(ws), self._media_for,
-                          lambda: self.shutting_down)
+        # /v1/realtime speaks the OpenAI Realtime events (streamer.realtime); any other path ours
+        kind = RealtimeConnection if is_realtime(ws.request.path if ws.request else None) else Connection
+        conn = kind(ws, self.services, self.api_key_name(ws), self._media_for, lambda: self.shutting_down)
         self.connections.add(conn)
         try:
             await conn.run()
