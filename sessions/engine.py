@@ -11,6 +11,16 @@ control queue to the engine thread, which runs them between steps; each returns 
 thread, so sessions need no locks. An Engine that is not started runs commands on the calling
 thread and is stepped by hand (`step()`, `run_until_idle()`), like the core.
 
+The control queue is fair (`FairQueue`): each session's commands wait in their own queue, in
+their order; owners (the API key, else the client) take turns, and each owner's sessions take
+turns within its turns. A turn runs at most `command_burst` commands of one session (fewer once
+it has used `command_quantum_s`), and the engine steps after every round of turns, so a flood of
+commands from one client delays another session's command by at most one turn per session ahead
+of it. The text of inputs and questions is tokenized before the engine thread, by the
+tokenizer's workers (`tokenizer_threads`, served from a FairQueue the same way); the command
+waits in its session's queue until its tokens are ready, then checks their size on the engine
+thread (O(1)), so an input refused for size never costs the engine thread a tokenization.
+
 The commands themselves live beside the jobs they make: input in `jobs`, questions in `query`,
 flash questions in `flash`, windows in `window`, thinking in `thinking`, rules and policies in
 `actions`, listeners in `session`; session lifecycle here. `Engine`'s command table lists them.
@@ -66,6 +76,9 @@ class EngineLimits:
     aging_s: float = 2.0  # a job waiting this long is scheduled one priority class higher (no starvation)
     share_half_life_s: float = 2.0  # fair share: recent tokens per owner and session halve this often
     attention_backend: str | None = None  # auto | reference | triton; None: $STREAMER_ATTENTION_BACKEND, else auto
+    command_burst: int = 8  # engine commands one session runs in its turn (the control queue's fair share)
+    command_quantum_s: float = 0.002  # ... a turn ends early once its commands took this long
+    tokenizer_threads: int = 2  # workers that tokenize inputs and questions before the engine thread
 
 
 @dataclass(slots=True)
@@ -86,6 +99,90 @@ class EngineStats:
     restored: int = 0
     admissions_queued: int = 0
     admissions_refused: int = 0
+    commands: int = 0  # engine commands run on the engine thread
+    tokenized_off_engine: int = 0  # inputs and questions tokenized by the tokenizer's workers
+    tokenized_on_engine: int = 0  # inputs and questions the engine thread tokenized itself (an engine not started)
+
+
+class FairQueue:
+    """Items waiting per owner and per key (a session), served round robin: owners take turns,
+    and an owner's keys take turns within its turns; one key's items keep their order. An item
+    that is not `ready` holds its key's queue (the keys behind it in the rotation go first).
+    Thread-safe: any thread puts, the engine thread or the tokenizer's workers take."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._queues: dict[str, deque] = {}  # key -> its items, in order
+        self._owner_of: dict[str, str] = {}  # key -> the owner it queues under while it has items
+        self._keys: dict[str, deque[str]] = {}  # owner -> its keys with items, in turn order
+        self._owners: deque[str] = deque()  # owners with items, in turn order
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def owners(self) -> int:
+        return len(self._owners)
+
+    def put(self, owner: str, key: str, item: object) -> None:
+        """Queue `item` behind `key`'s items (a key with items keeps the owner it has)."""
+        with self.cond:
+            queue = self._queues.get(key)
+            if queue is None:
+                queue = self._queues[key] = deque()
+                self._owner_of[key] = owner
+                keys = self._keys.get(owner)
+                if keys is None:
+                    keys = self._keys[owner] = deque()
+                    self._owners.append(owner)
+                keys.append(key)
+            queue.append(item)
+            self._size += 1
+            self.cond.notify()
+
+    def next_key(self, ready: Callable[[object], bool]) -> str | None:
+        """The key whose turn it is: the first owner in turn order with a key whose first item is
+        ready, and that owner's first such key; both go to the back of their turn orders."""
+        with self.cond:
+            for owner in list(self._owners):
+                keys = self._keys[owner]
+                for key in list(keys):
+                    if ready(self._queues[key][0]):
+                        keys.remove(key)
+                        keys.append(key)
+                        self._owners.remove(owner)
+                        self._owners.append(owner)
+                        return key
+            return None
+
+    def pop(self, key: str, ready: Callable[[object], bool]) -> object | None:
+        """`key`'s first item if it is ready (None otherwise, or when it has none)."""
+        with self.cond:
+            queue = self._queues.get(key)
+            if not queue or not ready(queue[0]):
+                return None
+            item = queue.popleft()
+            self._size -= 1
+            if not queue:
+                del self._queues[key]
+                owner = self._owner_of.pop(key)
+                keys = self._keys[owner]
+                keys.remove(key)
+                if not keys:
+                    del self._keys[owner]
+                    self._owners.remove(owner)
+            return item
+
+
+@dataclass(slots=True)
+class Command:
+    """A command waiting for the engine thread: `run` once `ready` (its input's tokens) is done."""
+
+    run: Callable[[], None]
+    ready: Future | None = None
+
+    def is_ready(self) -> bool:
+        return self.ready is None or self.ready.done()
 
 
 class EngineCore:
@@ -353,39 +450,40 @@ def snapshot_stats(core: EngineCore) -> dict:
             "flash_evaluations": s.flash_evaluations, "flash_questions_evaluated": s.flash_questions_evaluated,
             "flash_pushed": s.flash_pushed, "flash_cancelled": s.flash_cancelled,
             "parked": s.parked, "restored": s.restored, "admissions_queued": s.admissions_queued,
-            "admissions_refused": s.admissions_refused, "queued_jobs": core.lanes.queued()}
+            "admissions_refused": s.admissions_refused, "queued_jobs": core.lanes.queued(), "commands": s.commands,
+            "tokenized_off_engine": s.tokenized_off_engine, "tokenized_on_engine": s.tokenized_on_engine}
 
 
-def _command(fn: Callable) -> Callable:
+def _command(fn: Callable, keyed: bool = True) -> Callable:
     """A command of the core (a function taking the EngineCore first) as an Engine method: it
     runs on the engine thread and returns a Future of its result. `then` is attached to the
-    future before any work is queued (see `Engine.call`)."""
+    future before any work is queued (see `Engine.call`). `keyed`: its first argument is the
+    session id, whose queue it waits in (`FairQueue`)."""
 
     @functools.wraps(fn)
     def method(self: "Engine", *args, then: Callable[[Future], None] | None = None, **kwargs) -> Future:
-        return self.call(lambda: fn(self.core, *args, **kwargs), then)
+        sid = (args[0] if args else kwargs.get("session_id")) if keyed else None
+        return self.call(lambda: fn(self.core, *args, **kwargs), then, session_id=sid)
 
     return method
 
 
 class Engine:
-    """The engine thread: a control queue and futures around an `EngineCore`."""
+    """The engine thread: a fair control queue and futures around an `EngineCore`, and the
+    tokenizer's workers that tokenize inputs and questions before it."""
 
     # The commands: what each does is documented where it is defined.
-    create_session = _command(EngineCore.create_session)
     close_session = _command(EngineCore.close_session)
     session_state = _command(EngineCore.session_state)
     add_listener = _command(session_commands.add_listener)
     remove_listener = _command(session_commands.remove_listener)
-    append = _command(jobs.append)
     append_frame = _command(jobs.append_frame)
-    revise = _command(jobs.revise)
     end_input = _command(jobs.end_input)
     transcribe = _command(jobs.transcribe)
     configure_window = _command(window.configure)
     ensure_window = _command(window.ensure)
     configure_thinking = _command(thinking.configure_command)
-    end_queries = _command(end_queries)
+    end_queries = _command(end_queries, keyed=False)
     register_flash = _command(flash.register)
     unregister_flash = _command(flash.unregister)
     add_rule = _command(actions.add_rule)
@@ -397,16 +495,25 @@ class Engine:
         self.core = EngineCore(runner, limits)
         self.runner, self.limits, self.stats = runner, self.core.limits, self.core.stats
         self.sessions, self.pool = self.core.sessions, self.core.memory.pool
-        self._control: deque[Callable[[], None]] = deque()
+        if self.limits.command_burst < 1 or self.limits.tokenizer_threads < 1:
+            raise ValueError("command_burst and tokenizer_threads must be at least 1")
+        self._control = FairQueue()  # Commands, per owner and session
+        self._tokenizing = FairQueue()  # (work, future) for the tokenizer's workers
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._workers_stop = False
 
     @property
     def context_window(self) -> int:
         return self.core.context_window
 
     def start(self) -> "Engine":
+        self._workers = [threading.Thread(target=self._tokenizer_worker, name=f"streamer-tokenizer-{i}", daemon=True)
+                         for i in range(self.limits.tokenizer_threads)]
+        for worker in self._workers:
+            worker.start()
         self._thread = threading.Thread(target=self._run, name="streamer-engine", daemon=True)
         self._thread.start()
         return self
@@ -418,12 +525,20 @@ class Engine:
             self._thread.join(timeout)
         elif self._thread is None:
             self.core.fail_all(EngineStopped())
+        with self._tokenizing.cond:
+            self._workers_stop = True
+            self._tokenizing.cond.notify_all()
+        for worker in self._workers:
+            worker.join(timeout)
 
-    def call(self, fn: Callable[[], object], then: Callable[[Future], None] | None = None) -> Future:
+    def call(self, fn: Callable[[], object], then: Callable[[Future], None] | None = None,
+             session_id: str | None = None, owner: str | None = None, ready: Future | None = None) -> Future:
         """Run `fn` on the engine thread; its return value (a value, or a future it chains to) or
         its exception resolves the future. `then` is attached to the future before any work is
         queued, so callers on other threads see completions in the order the engine made them
-        (the event log relies on it). Before `start()`, `fn` runs now, on the calling thread."""
+        (the event log relies on it). It waits in `session_id`'s queue (else `owner`'s), behind
+        that session's earlier commands, and runs in its turn once `ready` (its input's tokens)
+        is done. Before `start()`, `fn` runs now, on the calling thread."""
         fut: Future = Future()
         if then is not None:
             fut.add_done_callback(then)
@@ -441,18 +556,93 @@ class Engine:
 
         if self._thread is None:
             run()
+            self.stats.commands += 1
         else:
-            self._control.append(run)
+            self._control.put(*self._key(session_id, owner), Command(run, ready))
+            if ready is not None:
+                ready.add_done_callback(lambda _: self._wake.set())
             self._wake.set()
         return fut
+
+    def _key(self, session_id: str | None, owner: str | None) -> tuple[str, str]:
+        """(owner, key) of a command: its session's owner and the session; a command of no
+        session (a new session without an id, end_queries) waits in its owner's own queue."""
+        if session_id is None:
+            return owner or "", "\0" + (owner or "")
+        if owner is None:
+            session = self.core.sessions.get(session_id)  # read from another thread: the owner never changes
+            owner = session.owner if session is not None else session_id
+        return owner, session_id
+
+    def create_session(self, system_prompt: str | None = None, session_id: str | None = None,
+                       flash: list[dict] | None = None, thinking: dict | None = None,
+                       window: dict | None | str = "default", owner: str | None = None,
+                       then: Callable[[Future], None] | None = None) -> Future:
+        """`EngineCore.create_session` as a command in the new session's (or its owner's) queue."""
+        return self.call(lambda: self.core.create_session(system_prompt, session_id, flash, thinking, window, owner),
+                         then, session_id=session_id, owner=owner)
+
+    def _tokenize(self, session_id: str, work: Callable[[], object]) -> Future:
+        """Run `work` (tokenizing an input or a question) on the tokenizer's workers, in the
+        session's turn among the sessions waiting for them."""
+        fut: Future = Future()
+        self._tokenizing.put(*self._key(session_id, None), (work, fut))
+        return fut
+
+    def _tokenizer_worker(self) -> None:
+        queue, any_item = self._tokenizing, lambda _: True
+        while True:
+            with queue.cond:
+                while not len(queue) and not self._workers_stop:
+                    queue.cond.wait()
+                if not len(queue):
+                    return
+                work, fut = queue.pop(queue.next_key(any_item), any_item)
+            try:
+                result = work()
+            except BaseException as exc:  # handed to the command, which raises it
+                fut.set_exception(exc)
+                continue
+            with queue.cond:
+                self.stats.tokenized_off_engine += 1
+            fut.set_result(result)
+
+    def append(self, session_id: str, text: str, evict_first: list[int] | None = None,
+               then: Callable[[Future], None] | None = None) -> Future:
+        """`jobs.append`; on a started engine the text is tokenized by the tokenizer's workers,
+        and the command runs (and checks its size) once its tokens are ready."""
+        if self._thread is None:
+            return self.call(lambda: jobs.append(self.core, session_id, text, evict_first), then, session_id)
+        tokens = self._tokenize(session_id, lambda: self.runner.tokenize(text))
+        return self.call(lambda: jobs.append(self.core, session_id, text, evict_first, tokens=tokens.result()),
+                         then, session_id, ready=tokens)
+
+    def revise(self, session_id: str, text: str, from_seq: int | None = None, evict_first: list[int] | None = None,
+               then: Callable[[Future], None] | None = None) -> Future:
+        """`jobs.revise`, its text tokenized like `append`'s."""
+        if self._thread is None:
+            return self.call(lambda: jobs.revise(self.core, session_id, text, from_seq, evict_first), then, session_id)
+        tokens = self._tokenize(session_id, lambda: self.runner.tokenize(text))
+        return self.call(lambda: jobs.revise(self.core, session_id, text, from_seq, evict_first,
+                                             tokens=tokens.result()), then, session_id, ready=tokens)
 
     def query(self, session_id: str, question: str, params: SamplingParams | None = None,
               on_delta: Callable[[str], None] | None = None, query_id: str | None = None,
               over: str = "sent") -> QueryHandle:
         """Ask a question (see `query.query`; `over`: "sent" or "read"); the handle's future
-        resolves to a QueryResult."""
+        resolves to a QueryResult. On a started engine the framed question is tokenized by the
+        tokenizer's workers (with its session's framing; a session not there yet: by the command)."""
         cancelled = threading.Event()
-        fut = self.call(lambda: query(self.core, session_id, question, params, on_delta, query_id, cancelled, over))
+        asked = self.stats.commands
+
+        def framed() -> list[int] | None:
+            session = self.core.sessions.get(session_id)  # its framing never changes
+            return None if session is None else session.question_ids(question)
+
+        ids = None if self._thread is None else self._tokenize(session_id, framed)
+        fut = self.call(lambda: query(self.core, session_id, question, params, on_delta, query_id, cancelled, over,
+                                      question_ids=None if ids is None else ids.result(), commands_asked=asked),
+                        session_id=session_id, ready=ids)
         return QueryHandle(fut, cancelled)
 
     def robot_state(self, session_id: str, state: list[float], ts: float | None = None) -> None:
@@ -479,14 +669,38 @@ class Engine:
     def snapshot_stats(self) -> dict:
         return snapshot_stats(self.core)
 
+    def _round(self) -> int:
+        """One turn for each owner with a command ready: up to `command_burst` commands of its
+        session whose turn it is (fewer once they took `command_quantum_s`). Returns how many ran."""
+        ran, ready = 0, Command.is_ready
+        for _ in range(max(1, self._control.owners())):
+            key = self._control.next_key(ready)
+            if key is None:
+                break
+            started = time.perf_counter()
+            for _ in range(self.limits.command_burst):
+                command = self._control.pop(key, ready)
+                if command is None:
+                    break
+                command.run()
+                self.stats.commands += 1
+                ran += 1
+                if time.perf_counter() - started >= self.limits.command_quantum_s:
+                    break
+        return ran
+
     def _drain(self) -> None:
-        while self._control:
-            self._control.popleft()()
+        """Run every queued command (in turn order, each waiting for its tokens if it must)."""
+        anything = lambda _: True  # noqa: E731
+        while len(self._control):
+            command = self._control.pop(self._control.next_key(anything), anything)
+            command.run()
+            self.stats.commands += 1
 
     def _run(self) -> None:
         while not self._stopping:
-            self._drain()
-            if not self.core.step() and not self._control:
+            ran = self._round()
+            if not self.core.step() and not ran:
                 self._wake.wait(self.core.next_wakeup())
                 self._wake.clear()
         self._drain()

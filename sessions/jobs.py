@@ -375,8 +375,8 @@ class ReviseJob(PrefillJob):
     kind = "revise"
     joins = False
 
-    def __init__(self, session: Session, text: str, from_seq: int | None) -> None:
-        super().__init__(session, session.tokenize(text), text)
+    def __init__(self, session: Session, text: str, from_seq: int | None, tokens: list[int] | None = None) -> None:
+        super().__init__(session, session.tokenize(text) if tokens is None else tokens, text)
         self.from_seq = from_seq
         self.kept = 0
         self.replaced: list[int] = []
@@ -535,15 +535,19 @@ class FrameJob(PrefillJob):
 # ---- the input commands (run on the engine thread; `core` is the EngineCore) ----------------
 
 
-def append(core, session_id: str, text: str, evict_first: list[int] | None = None) -> Future:
+def append(core, session_id: str, text: str, evict_first: list[int] | None = None,
+           tokens: list[int] | None = None) -> Future:
     """Resolves to an AppendResult once the text's tokens are in the cache. The text is
-    tokenized on its own (never with earlier text). Input that can never fit is refused now; a
+    tokenized on its own (never with earlier text): `tokens`, by the tokenizer's workers before
+    the engine thread (`Engine.append`), else here. Input that can never fit is refused now; a
     windowed session evicts old inputs when this one starts, if it must (`evict_first`: replay
     evicts exactly the inputs the original session evicted before this one)."""
     from .window import check_input
 
     session = core.writable(session_id)
-    tokens = core.runner.tokenize(text)
+    if tokens is None:
+        tokens = core.runner.tokenize(text)
+        core.stats.tokenized_on_engine += 1
     if not tokens:
         raise InvalidRequest("text is empty")
     check_input(session, len(tokens))
@@ -573,9 +577,13 @@ def evicted(session: Session) -> list[int]:
 
 
 def revise(core, session_id: str, text: str, from_seq: int | None = None,
-           evict_first: list[int] | None = None) -> Future:
-    """Replace the input from `from_seq` on (default: the last input); resolves to an AppendResult."""
-    job = ReviseJob(core.writable(session_id), text, from_seq)
+           evict_first: list[int] | None = None, tokens: list[int] | None = None) -> Future:
+    """Replace the input from `from_seq` on (default: the last input); resolves to an AppendResult.
+    `tokens`: the text tokenized before the engine thread, as for `append`."""
+    session = core.writable(session_id)
+    if tokens is None:
+        core.stats.tokenized_on_engine += 1
+    job = ReviseJob(session, text, from_seq, tokens)
     job.evict_first = list(evict_first or ())
     return core.submit(job)
 

@@ -45,6 +45,7 @@ class QueryResult:
     max_step_tokens: int = 0  # the most tokens (its own and other work's) one of its steps carried
     over: str = "sent"  # what it was asked over: "sent" (all input sent before it) or "read" (what was read)
     unread_inputs: int = 0  # inputs sent before it that it did not see (still being read): 0 for "sent"
+    commands_waited: int = 0  # engine commands (any session's) run after it was asked and before its first step
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -73,12 +74,16 @@ class QueryJob(Job):
 
     def __init__(self, session: Session, query_id: str, question: str, params: SamplingParams,
                  stop_ids: frozenset[int], on_delta: Callable[[str], None] | None = None,
-                 cancelled: threading.Event | None = None, over: str = "sent") -> None:
+                 cancelled: threading.Event | None = None, over: str = "sent",
+                 question_ids: list[int] | None = None) -> None:
         super().__init__(session)
         self.query_id = query_id
         self.over = over
         self.unread_inputs = 0  # "read": the inputs queued before it that it went ahead of
-        self.question_ids = session.question_ids(question)
+        self.question_ids = session.question_ids(question) if question_ids is None else question_ids
+        self.stats = None  # the engine's stats, and its `commands` count when asked (`commands_waited`)
+        self.commands_asked: int | None = None
+        self.commands_waited = 0
         self.params = params
         self.sampler = Sampler(params, stop_ids)
         self.stop_ids = stop_ids
@@ -111,6 +116,8 @@ class QueryJob(Job):
 
     def begin(self) -> None:
         s = self.session
+        if self.stats is not None and self.commands_asked is not None:  # its own command aside
+            self.commands_waited = max(0, self.stats.commands - self.commands_asked - 1)
         if s.window is not None:  # a windowed session always answers: it evicts old input first
             from .window import room_for_answer
 
@@ -221,7 +228,7 @@ class QueryJob(Job):
             first_token_s=(self.first_token_at or self.done_at) - self.submitted_at,
             total_s=self.done_at - self.submitted_at,
             steps=self.steps, steps_waited=self.steps_waited, max_step_tokens=self.max_step_tokens,
-            over=self.over, unread_inputs=self.unread_inputs,
+            over=self.over, unread_inputs=self.unread_inputs, commands_waited=self.commands_waited,
         )
 
     def finish(self, core, exc: BaseException | None = None) -> None:
@@ -249,7 +256,8 @@ OVER = ("sent", "read")  # what a question may be asked over (docs/protocol.md, 
 
 def query(core, session_id: str, question: str, params: SamplingParams | None = None,
           on_delta: Callable[[str], None] | None = None, query_id: str | None = None,
-          cancelled: threading.Event | None = None, over: str = "sent") -> Future | QueryResult:
+          cancelled: threading.Event | None = None, over: str = "sent", question_ids: list[int] | None = None,
+          commands_asked: int | None = None) -> Future | QueryResult:
     """Ask a question; resolves to a QueryResult. A registered question whose answer is current
     is answered from it, without the model.
 
@@ -258,7 +266,9 @@ def query(core, session_id: str, question: str, params: SamplingParams | None = 
     goes ahead of the session's backlog of unread input (behind the one input being read now, if
     any, which is read to its end first: an answer never sees half an input), and its result says
     how many inputs queued before it it did not see (`unread_inputs`). Either way the session is
-    unchanged: a question never commits."""
+    unchanged: a question never commits. `question_ids`: the framed question tokenized before the
+    engine thread (`Engine.query`), else here; `commands_asked`: the engine's command count when
+    it was asked (its result's `commands_waited`)."""
     from .flash import cached_answer
 
     if over not in OVER:
@@ -273,8 +283,11 @@ def query(core, session_id: str, question: str, params: SamplingParams | None = 
         if on_delta is not None and cached.text:
             on_delta(cached.text)
         return cached
+    if question_ids is None:
+        core.stats.tokenized_on_engine += 1
     job = QueryJob(session, query_id or secrets.token_hex(6), question, params, core.stop_ids, on_delta, cancelled,
-                   over)
+                   over, question_ids)
+    job.stats, job.commands_asked = core.stats, commands_asked
     if len(job.question_ids) > core.limits.max_question_tokens:
         raise InvalidRequest(f"question of {len(job.question_ids)} tokens exceeds the limit "
                              f"of {core.limits.max_question_tokens} tokens", code=Code.QUESTION_TOO_LONG)

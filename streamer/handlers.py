@@ -371,7 +371,8 @@ def query_done(cmd: Command, peer: Peer, r) -> str:
         over=r.over, unread_inputs=r.unread_inputs, context_tokens=r.context_tokens, question_tokens=r.question_tokens,
         timing={"queue_ms": _ms(r.queue_s), "prefill_ms": _ms(r.prefill_s), "first_token_ms": _ms(r.first_token_s),
                 "total_ms": _ms(r.total_s), "decode_tokens_per_s": round(r.decode_tokens_per_s, 2),
-                "steps": r.steps, "steps_waited": r.steps_waited, "max_step_tokens": r.max_step_tokens})
+                "steps": r.steps, "steps_waited": r.steps_waited, "max_step_tokens": r.max_step_tokens,
+                "commands_waited": r.commands_waited})
 
 
 def query_cancel(cmd: Command, peer: Peer, svc: Services):

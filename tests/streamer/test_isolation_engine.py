@@ -1,0 +1,141 @@
+"""Issue 33, item 1: work a client triggers is paid by that client, never by the engine thread
+that every session shares.
+
+Inputs and questions are tokenized by the tokenizer's workers before the engine thread, so one
+refused for size (`context_overflow`, `question_too_long`) never runs the tokenizer there
+(`tokenized_on_engine` stays 0), and engine commands are served per session in turns, so a
+bystander's question waits for at most one turn of an attacker's commands, however many it
+queued. Everything is counted (commands, tokenizations), never timed."""
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from streamer.sessions.engine import Engine, EngineLimits
+from streamer.sessions.errors import EngineError
+from streamer.sessions.models import build_tiny_model
+from streamer.sessions.runner import ModelRunner
+from streamer.sessions.sampling import SamplingParams
+from wsutil import check_error, raw, serve
+
+LIMITS = dict(max_context_tokens=2048, max_answer_tokens=16)
+HUGE = "hello world, this is a test. " * (250 * 1024 // 29)  # ~250 Ki characters, ~70k tokens
+LONG_QUESTION = "why is the sky blue today? " * 300  # ~8 Ki characters, ~2k tokens (limit: 1,024)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
+    engine = Engine(ModelRunner(lm.model, tokenizer, lm.name), EngineLimits(**LIMITS)).start()
+    yield engine
+    engine.stop()
+
+
+def bound(engine) -> int:  # noqa: D401
+    """Commands of other sessions a question may wait for: the attacker's turn that is running
+    (`command_burst`), plus the attacker's commands whose tokens the workers finished while the
+    question's own were queued behind them (one per worker, and one more in turn order)."""
+    return engine.limits.command_burst + engine.limits.tokenizer_threads + 1
+
+
+async def poll(predicate, what: str, deadline_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not predicate():
+        assert loop.time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits_one_turn(engine):
+    n = 24
+
+    async def test(url, server):
+        attacker, bystander = await raw(url), await raw(url)
+        sid_a, sid_b = await attacker.create(), await bystander.create()
+        ack = await bystander.request({"type": "input.text.append", "session_id": sid_b, "text": "The sky is blue."})
+        assert ack["type"] == "input.ack", ack
+        before = engine.snapshot_stats()
+        for i in range(n):
+            await attacker.send({"type": "input.text.append", "session_id": sid_a, "text": HUGE, "event_id": f"h{i}"})
+        # the attacker's appends are queued at the engine (waiting for their tokens, or for the
+        # engine thread itself on the old code) before the bystander asks
+        await poll(lambda: engine.queued_commands >= n // 2, "the attacker's appends to queue")
+        replies: list[dict] = []
+
+        async def read_attacker() -> None:
+            while len(replies) < n:
+                replies.append(await attacker.recv(120))
+
+        reader = asyncio.create_task(read_attacker())
+        await bystander.send({"type": "query.create", "session_id": sid_b, "question": "What colour is the sky?",
+                              "max_tokens": 4, "event_id": "q"})
+        done = (await bystander.until("query.done"))[-1]
+        attacker_replies_before = len(replies)
+        await asyncio.wait_for(reader, 180)
+        after = engine.snapshot_stats()
+        for reply in replies:
+            check_error(reply, "context_overflow")
+        await attacker.still_serving(sid_a)
+        return done, attacker_replies_before, before, after
+
+    done, attacker_replies_before, before, after = serve(engine, test)
+    # fairness, in commands: the bystander's question waited for one turn of the attacker at most
+    assert done["timing"]["commands_waited"] <= bound(engine), done["timing"]
+    assert attacker_replies_before < n // 2, attacker_replies_before
+    # no refused append (nor the question) was tokenized on the engine thread
+    assert after["tokenized_on_engine"] == before["tokenized_on_engine"], (before, after)
+    assert after["tokenized_off_engine"] - before["tokenized_off_engine"] >= n + 1, (before, after)
+
+
+def test_too_long_questions_from_six_connections_never_reach_the_engine_threads_tokenizer(engine):
+    per_attacker, attackers_n = 8, 6
+
+    async def test(url, server):
+        attackers = [await raw(url) for _ in range(attackers_n)]
+        sids = [await a.create() for a in attackers]
+        bystander = await raw(url)
+        sid_b = await bystander.create()
+        before = engine.snapshot_stats()
+        for i in range(per_attacker):
+            for a, sid in zip(attackers, sids):
+                await a.send({"type": "query.create", "session_id": sid, "question": LONG_QUESTION, "max_tokens": 4,
+                              "event_id": f"x{i}"})
+        await bystander.send({"type": "query.create", "session_id": sid_b, "question": "Is anyone there?",
+                              "max_tokens": 4, "event_id": "q"})
+        done = (await bystander.until("query.done"))[-1]
+        for a in attackers:
+            for _ in range(per_attacker):
+                check_error(await a.recv(120), "question_too_long")
+        return done, before, engine.snapshot_stats()
+
+    done, before, after = serve(engine, test)
+    assert done["finish_reason"] in ("length", "stop"), done
+    # six sessions ahead of it: one turn each at most
+    assert done["timing"]["commands_waited"] <= attackers_n * bound(engine), done["timing"]
+    assert after["tokenized_on_engine"] == before["tokenized_on_engine"], (before, after)
+    assert after["tokenized_off_engine"] - before["tokenized_off_engine"] >= attackers_n * per_attacker + 1
+
+
+def test_a_flood_of_engine_commands_delays_another_session_by_one_turn_and_keeps_each_sessions_order(engine):
+    """Commands that still run on the engine thread (a session.create tokenizes its system prompt
+    there) are served per owner and session in turns: 40 refused creates queued by one owner
+    delay another owner's question by one turn, not 40 commands; a session's own commands keep
+    their order (its append is in the answer that was asked after it)."""
+    sid = engine.create_session("You answer briefly.", owner="bystander").result(60)["session_id"]
+    too_long = "A system prompt that never fits. " * 600  # ~20k tokens, over the 2,048-token window
+    before = engine.snapshot_stats()
+    flood = [engine.create_session(too_long, owner="attacker") for _ in range(40)]
+    appended = engine.append(sid, "The door is red.")
+    handle = engine.query(sid, "What colour is the door?", SamplingParams(max_tokens=4))
+    result = handle.future.result(120)
+    assert appended.done() and appended.exception() is None
+    assert result.data_version == appended.result().data_version  # asked after the append: it saw it
+    # one attacker turn, one more if its tokens were not ready at its session's first turn, its own append
+    assert result.commands_waited <= 2 * engine.limits.command_burst + 1, result
+    concurrent.futures.wait(flood, 120)
+    for fut in flood:
+        with pytest.raises(EngineError, match="does not fit"):
+            fut.result()
+    assert engine.snapshot_stats()["commands"] - before["commands"] >= 42
+    engine.close_session(sid).result(30)
