@@ -32,7 +32,7 @@ def engine(tokenizer):
     engine.stop()
 
 
-def bound(engine) -> int:  # noqa: D401
+def bound(engine) -> int:
     """Commands of other sessions a question may wait for: the attacker's turn that is running
     (`command_burst`), plus the attacker's commands whose tokens the workers finished while the
     question's own were queued behind them (one per worker, and one more in turn order)."""
