@@ -5,9 +5,15 @@ in arrival order; engine calls only enqueue, so a busy model never blocks this l
 that wait on the engine or the store run in small tasks, and every outbound event goes through
 the connection's one ordered `Outbox`.
 
-Limits: every frame, before it is parsed, takes from the message and byte rate buckets; a
-frame over them is dropped unparsed. Refused and invalid frames take from a third bucket; a
-connection that empties it is closed (rate_limited, 1008). Then the shutdown check.
+Limits: every byte read from the socket (any frame, valid or not, and the handshake) takes from
+the byte rate bucket as it arrives; a connection in deficit is not read until the deficit is
+paid (TCP pushes back on the client), and one held back longer than `byte_throttle_s` a minute
+is closed (byte_rate_limited, 1008). Every frame, before it is parsed, takes from the message
+rate bucket and from the server-wide `MessageBudget` (a fair share per sending connection when
+the server is busy); a frame over them is dropped unparsed. Refused and invalid frames take
+from a third bucket; a connection that empties it is closed (rate_limited, 1008). Then the
+shutdown check. Sockets are counted per client address, per API key and in all by the
+`ConnectionGate` (the caps are checked at the handshake).
 Backpressure: reading pauses while the client's commands wait on the engine beyond
 `max_inflight`, or its undelivered events pass the outbox's high watermark.
 """
@@ -19,15 +25,20 @@ import inspect
 import logging
 import socket
 import time
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
+from http import HTTPStatus
 
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import Frame
 
 from streamer.sessions.errors import EngineError
 
 from .handlers import HANDLERS, Await, Peer, Services
 from .outbox import Outbox
 from .protocol import Command, ProtocolError, ServerProtocol
+from .directory import Moved
 from .store import StoreError
 
 log = logging.getLogger(__name__)
@@ -72,9 +83,68 @@ class LenientConnection(ServerConnection):
     `invalid_utf8` error event instead and keep the connection; everything else is unchanged.
     Plain HTTP requests that succeed log at debug (`_QuietHttpLog`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, gate: ConnectionGate | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.protocol.logger = self.logger = _QuietHttpLog(self.protocol.logger)
+        self.gate = gate
+        self.address: str | None = None  # the client's IP address, once connected
+        self.key_slot: str | None = None  # the API key name this connection counts against
+        self.bytes_read = 0  # as the byte rate counts them (see data_received)
+        self.meter: Callable[[int], None] | None = None  # told the size of every read (the byte rate)
+        self.unframed = 0  # bytes read since the last complete frame
+        self.payload = 0  # decoded bytes of the frames completed by the current read
+        self.holds: set[str] = set()  # why reading is paused: "queue" (websockets' own), "bytes"
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # websockets pauses reading while its frame queue is full; the byte rate pauses it too:
+        # the socket is read only when neither holds it
+        self.recv_messages.pause = lambda: self.hold("queue")
+        self.recv_messages.resume = lambda: self.release("queue")
+        peer = transport.get_extra_info("peername")
+        self.address = peer[0] if peer else None
+        if self.gate is not None and not self.gate.opened(self):
+            transport.abort()  # past the descriptor guard: closed unanswered
+
+    def connection_lost(self, exc) -> None:
+        if self.gate is not None:
+            self.gate.closed(self)
+            self.gate = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """Count what was read: its bytes, and for the frames it completes their decoded size
+        beyond the bytes they came in (a compressed frame counts as what it inflates to)."""
+        self.unframed += len(data)
+        self.payload = 0
+        super().data_received(data)
+        size = len(data)
+        if self.payload:
+            size += max(0, self.payload - self.unframed)
+            self.unframed = 0
+        self.bytes_read += size
+        if self.gate is not None:
+            self.gate.edge["bytes_read"] += size
+        if self.meter is not None:
+            self.meter(size)
+
+    def process_event(self, event) -> None:
+        if isinstance(event, Frame):
+            self.payload += len(event.data)
+        super().process_event(event)
+
+    def hold(self, reason: str) -> None:
+        """Stop reading the socket for `reason` (until `release`)."""
+        if not self.holds and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self.holds.add(reason)
+
+    def release(self, reason: str) -> None:
+        if reason not in self.holds:
+            return
+        self.holds.discard(reason)
+        if not self.holds and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     async def recv(self, decode: bool | None = None):
         try:
@@ -112,12 +182,115 @@ class TokenBucket:
         self.level -= amount
         return True
 
+    def debit(self, amount: float, floor: float | None = None) -> float:
+        """Take `amount` whatever the level (what was read was read): returns the deficit, the
+        amount below zero (0 when in credit). `floor` bounds the debt."""
+        now = time.monotonic()
+        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.level < amount and self.extra > 0:
+            used = min(self.extra, amount - max(self.level, 0.0))
+            self.extra -= used
+            amount -= used
+        self.level -= amount
+        if floor is not None:
+            self.level = max(self.level, floor)
+        return max(0.0, -self.level)
+
+
+class MessageBudget:
+    """The server-wide message rate, shared fairly by the connections that are sending.
+
+    Each connection that sent a message in the last `window_s` is active; its share is the
+    budget divided by the active connections. A message within its connection's share always
+    passes (and is charged to the budget); one beyond it passes only while the budget has room
+    (a quiet server lends its spare rate), so when the server is busy every sender gets its
+    share and no group of connections, each under its own limit, can take a bystander's."""
+
+    def __init__(self, rate: float, burst: float, window_s: float = 2.0) -> None:
+        self.rate, self.burst, self.window_s = rate, burst, window_s
+        self.bucket = TokenBucket(rate, burst)
+        self.active: dict[int, float] = {}  # id(connection) -> when it last sent
+        self.pruned = time.monotonic()
+
+    def share(self) -> float:
+        return self.rate / max(1, len(self.active))
+
+    def take(self, conn_id: int, own: TokenBucket) -> bool:
+        now = time.monotonic()
+        self.active[conn_id] = now
+        if now - self.pruned > self.window_s / 4:
+            self.active = {k: t for k, t in self.active.items() if now - t <= self.window_s}
+            self.pruned = now
+        n = len(self.active)
+        own.rate, own.burst = self.rate / n, max(2.0, self.burst / n)
+        if own.take():
+            self.bucket.debit(1.0, floor=-self.burst)
+            return True
+        return self.bucket.take()
+
+    def forget(self, conn_id: int) -> None:
+        self.active.pop(conn_id, None)
+
+
+class ConnectionGate:
+    """Open sockets per client address and in all, and websocket connections per API key: the
+    caps are checked at the handshake (`admit`: an HTTP refusal with a JSON body naming its
+    code); a socket past the descriptor guard (`reset_at` open sockets in all, or twice the
+    address's cap) is closed at once, unanswered, so `accept()` never runs out of descriptors."""
+
+    def __init__(self, per_address: int, per_key: int, total: int, reset_at: int, edge: dict) -> None:
+        self.per_address, self.per_key, self.total, self.reset_at = per_address, per_key, total, reset_at
+        self.edge = edge
+        self.sockets = 0
+        self.by_address: Counter[str] = Counter()
+        self.by_key: Counter[str] = Counter()
+
+    def opened(self, conn: LenientConnection) -> bool:
+        """A socket was accepted: count it; False if it must be closed at once."""
+        self.sockets += 1
+        self.by_address[conn.address] += 1
+        if self.sockets > self.reset_at or self.by_address[conn.address] > 2 * self.per_address:
+            self.edge["connections_reset"] += 1
+            return False
+        return True
+
+    def closed(self, conn: LenientConnection) -> None:
+        self.sockets -= 1
+        self.by_address[conn.address] -= 1
+        if self.by_address[conn.address] <= 0:
+            del self.by_address[conn.address]
+        if conn.key_slot is not None:
+            self.by_key[conn.key_slot] -= 1
+            if self.by_key[conn.key_slot] <= 0:
+                del self.by_key[conn.key_slot]
+
+    def admit(self, conn: LenientConnection, key_name: str | None) -> tuple[HTTPStatus, str, str] | None:
+        """A websocket handshake: None to go on, else (HTTP status, code, message). A connection
+        admitted with an API key counts against that key until it closes."""
+        if self.by_address[conn.address] > self.per_address:
+            self.edge["connections_refused_address"] += 1
+            return (HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections_address",
+                    f"more than {self.per_address} connections from this address; close some first")
+        if key_name is not None and self.by_key[key_name] >= self.per_key:
+            self.edge["connections_refused_key"] += 1
+            return (HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections_key",
+                    f"more than {self.per_key} connections with this API key; close some first")
+        if self.sockets > self.total:
+            self.edge["connections_refused_server"] += 1
+            return (HTTPStatus.SERVICE_UNAVAILABLE, "server_full",
+                    f"the server holds its maximum of {self.total} connections; retry later")
+        if key_name is not None:
+            conn.key_slot = key_name
+            self.by_key[key_name] += 1
+        return None
+
 
 class Connection:
     """One client connection: a `Peer` for the handlers, its outbox, its receive loop."""
 
     def __init__(self, ws: ServerConnection, svc: Services, key_name: str | None, media=None,
-                 shutting_down=lambda: False) -> None:
+                 shutting_down=lambda: False, budget: MessageBudget | None = None) -> None:
         cfg = svc.config
         self.ws, self.svc, self.config = ws, svc, cfg
         self.proto = ServerProtocol(cfg.protocol)
@@ -135,6 +308,12 @@ class Connection:
         self.messages = TokenBucket(cfg.messages_per_s, cfg.messages_burst)
         self.bytes_in = TokenBucket(cfg.bytes_per_s, max(cfg.bytes_burst, cfg.max_frame_bytes))
         self.strikes = TokenBucket(cfg.refused_per_s, cfg.refused_burst)
+        # time held back for the byte rate: byte_throttle_s in any minute, then the connection closes
+        self.throttled = TokenBucket(cfg.byte_throttle_s / 60, cfg.byte_throttle_s)
+        self.budget = budget
+        self.share = TokenBucket(cfg.messages_per_s, cfg.messages_burst)  # rate and burst set by the budget
+        if isinstance(ws, LenientConnection):
+            ws.meter = self.meter
         self.last_message = time.monotonic()
         self.tasks: set[asyncio.Task] = set()
         if cfg.send_buffer_bytes and ws.transport is not None:
@@ -146,7 +325,34 @@ class Connection:
         self.outbox.send(text)
 
     def _dropped(self, code: str) -> None:
-        self.svc.edge["slow_consumers_dropped" if code == "slow_consumer" else "idle_closed"] += 1
+        counter = {"slow_consumer": "slow_consumers_dropped", "idle_timeout": "idle_closed",
+                   "byte_rate_limited": "byte_rate_closed"}.get(code)
+        if counter is not None:
+            self.svc.edge[counter] += 1
+
+    def meter(self, size: int) -> None:
+        """`size` bytes were read from the socket (any frame, valid or not). In deficit, stop
+        reading until the deficit is paid at the byte rate; a connection held back more than
+        `byte_throttle_s` a minute is closed (byte_rate_limited, 1008)."""
+        deficit = self.bytes_in.debit(size)
+        ws = self.ws
+        if not deficit or "bytes" in ws.holds or self.outbox.dropping is not None:
+            return
+        wait = deficit / self.bytes_in.rate
+        cfg = self.config
+        if not self.throttled.take(wait):
+            ws.hold("bytes")  # read nothing more: the writer says why and closes
+            self.outbox.drop("byte_rate_limited", f"more than {cfg.bytes_per_s:g} bytes/s (burst "
+                             f"{self.bytes_in.burst:g}) on this connection for over {cfg.byte_throttle_s:g} s "
+                             "in a minute; closing it", close_code=1008)
+            return
+        self.svc.edge["byte_throttled"] += 1
+        ws.hold("bytes")
+        self.loop.call_later(wait, self._read_again)
+
+    def _read_again(self) -> None:
+        if self.outbox.dropping is None:
+            self.ws.release("bytes")
 
     def update_reading(self) -> None:
         cfg = self.config
@@ -203,11 +409,10 @@ class Connection:
                 writer.cancel()
 
     async def receive(self, frame) -> None:
-        """One frame: count it against the rate limits (valid or not, before any parsing), parse
-        it, hand it to its handler. A connection that keeps sending frames that are refused or
-        invalid is closed (rate_limited, 1008)."""
-        size = len(frame.exc.object) if isinstance(frame, InvalidText) else len(frame)
-        if (refusal := self.over_rate(size)) is not None:
+        """One frame: count it against the message rates (valid or not, before any parsing; its
+        bytes were counted as they were read), parse it, hand it to its handler. A connection that
+        keeps sending frames that are refused or invalid is closed (rate_limited, 1008)."""
+        if (refusal := self.over_rate()) is not None:
             self.strike(refusal)
             return
         if isinstance(frame, InvalidText):
@@ -227,24 +432,30 @@ class Connection:
             self.send(self.proto.error("shutting_down", "the server is shutting down; reconnect later",
                                        recoverable=False, reply_to=cmd.event_id, session_id=cmd.session_id))
             return
+        if (moved := await self.svc.resumer.fence(cmd, self.proto)) is not None:
+            self.send(moved)  # another worker adopted the session while this one had lost its lease
+            return
         if cmd.type not in LOGGED and (barrier := self.svc.events.barrier(cmd.session_id)) is not None:
             await barrier  # the session's earlier changes are handed to the engine first
         self.dispatch(cmd)
         if cmd.type == "media" and self.peer.media is not None:
             await self.peer.media.throttle(cmd)
 
-    def over_rate(self, size: int) -> str | None:
-        """The error for a frame over the message or byte rate (it is then not even parsed, so
-        the error has no `reply_to`)."""
+    def over_rate(self) -> str | None:
+        """The error for a frame over the connection's message rate, or over its fair share of
+        the server's message budget while the server is busy (the frame is then not even parsed,
+        so the error has no `reply_to`)."""
         cfg = self.config
         if not self.messages.take():
             self.svc.edge["rate_limited"] += 1
             return self.proto.error("rate_limited", f"more than {cfg.messages_per_s:g} messages/s (burst "
                                     f"{cfg.messages_burst}) on this connection; the message was not processed")
-        if not self.bytes_in.take(size):
-            self.svc.edge["rate_limited"] += 1
-            return self.proto.error("byte_rate_limited", f"more than {cfg.bytes_per_s:g} bytes/s on this "
-                                    "connection; the message was not processed")
+        budget = self.budget
+        if budget is not None and not budget.take(id(self), self.share):
+            self.svc.edge["server_busy"] += 1
+            return self.proto.error("rate_limited", f"the server is busy: its budget of {budget.rate:g} messages/s "
+                                    f"is spent and this connection is over its fair share ({budget.share():.3g}/s); "
+                                    "the message was not processed")
         return None
 
     def strike(self, error: str) -> None:
@@ -276,6 +487,8 @@ class Connection:
     def error_for(self, cmd: Command, exc: BaseException) -> str:
         """An `error` event answering `cmd`: the engine's or a refusal's code, or internal_error
         for a bug (logged; the connection keeps serving)."""
+        if isinstance(exc, Moved):  # with `owner`: where to go
+            return exc.event(self.proto, cmd.event_id, cmd.session_id)
         if isinstance(exc, EngineError):
             return self.proto.error(exc.code, exc.message, recoverable=exc.recoverable, reply_to=cmd.event_id,
                                     session_id=cmd.session_id, param=exc.param)
@@ -343,6 +556,10 @@ class Connection:
         """The client is gone: stop its work and listeners; its sessions are detached."""
         peer, engine = self.peer, self.svc.engine
         peer.closed = True
+        if self.budget is not None:
+            self.budget.forget(id(self))
+        if isinstance(self.ws, LenientConnection):
+            self.ws.meter = None
         if peer.media is not None:
             peer.media.close()
         for task in list(self.tasks):

@@ -26,22 +26,33 @@ COUNTERS = {
 
 EDGE_COUNTERS = {
     "backpressure_pauses": "Times reading a client paused for backpressure",
-    "rate_limited": "Messages refused for a connection's message or byte rate",
+    "rate_limited": "Messages refused for a connection's message rate",
     "slow_consumers_dropped": "Connections dropped for not reading their events",
     "idle_closed": "Idle connections closed",
     "auth_refused": "Handshakes or session creations refused for a missing or unknown API key",
     "junk_closed": "Connections closed for sending too many refused or invalid frames",
+    "bytes_read": "Bytes read from clients as the byte rates count them (every frame, valid or not; a compressed "
+                  "frame by its decoded size)",
+    "byte_throttled": "Times reading a client paused for its byte rate",
+    "byte_rate_closed": "Connections closed for staying over their byte rate",
+    "server_busy": "Messages refused beyond a connection's fair share of the server's message budget",
+    "connections_refused_address": "Handshakes refused: too many connections from the client's address",
+    "connections_refused_key": "Handshakes refused: too many connections with the API key",
+    "connections_refused_server": "Handshakes refused: the server at max_connections",
+    "connections_reset": "Sockets closed unanswered past the descriptor guard (or twice an address's cap)",
 }
 
 
 DURABILITY = {
     "log_records": "Records appended to session event logs",
     "log_errors": "Log writes the store failed (the change is not acknowledged)",
-    "log_settled": "Failed log writes settled later (written again, or found to have landed)",
+    "log_settled": "Failed log writes of applied changes settled later (written again)",
     "log_fenced": "Failed log writes fenced with a void record (never applied)",
+    "log_voided_late": "Timed-out log writes of unapplied inputs that landed later and were voided (never applied)",
     "relogged": "Sessions re-claimed and re-written into a store that had lost them",
     "duplicates": "Inputs acknowledged as duplicates of a client_seq already seen",
     "recovered": "Sessions recovered by replaying their event logs",
+    "sessions_lost": "Sessions dropped here because another worker adopted them (this worker had lost its lease)",
     "detached_expired": "Detached sessions closed when their TTL ran out",
     "detached_evicted": "Detached sessions closed early to make room: a client or the server over its detach cap, "
                         "a key at its session quota or the engine at its session limit",

@@ -12,8 +12,10 @@ HTTP and shuts down gracefully.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import resource
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -28,11 +30,12 @@ from websockets.http11 import Request, Response
 from streamer.sessions.engine import Engine
 
 from .auth import ALL_SESSIONS, NO_SESSIONS, ApiKeys, key_from_request
-from .connection import Connection, LenientConnection
+from .connection import Connection, ConnectionGate, LenientConnection, MessageBudget
 from .directory import Directory
 from .eventlog import DEFAULT_RELOG_MAX_BYTES, EventLog
 from .handlers import Peer, Services
 from .media import MediaConfig, MediaHub
+from .metrics import EDGE_COUNTERS
 from .metrics import render as render_metrics
 from .protocol import ProtocolLimits
 from .realtime import RealtimeConnection, is_realtime
@@ -57,11 +60,24 @@ class ServerConfig:
     port: int = 8765  # 0: pick a free port (tests)
     protocol: ProtocolLimits = field(default_factory=ProtocolLimits)
     max_frame_bytes: int = 16 << 20  # beyond this websockets closes the connection (1009)
-    # per connection, inbound: token buckets (sustained rate, burst); beyond: rate_limited / byte_rate_limited
+    # per connection, inbound: token buckets (sustained rate, burst); beyond: rate_limited. Bytes are
+    # counted as they are read: over the byte rate, reading pauses until the deficit is paid; a
+    # connection held back more than byte_throttle_s in a minute is closed (byte_rate_limited, 1008)
     messages_per_s: float = 200.0
     messages_burst: int = 400
     bytes_per_s: float = float(8 << 20)
     bytes_burst: int = 32 << 20  # never below max_frame_bytes, so one allowed frame always fits
+    byte_throttle_s: float = 10.0
+    # the server's message budget, shared fairly by the connections sending (MessageBudget):
+    # beyond its share of a busy server a connection's frames are refused (rate_limited)
+    server_messages_per_s: float = 2000.0
+    server_messages_burst: int = 4000
+    # connections: per client address, per API key and in all (the last also kept below the
+    # open-file limit, whose soft value is raised to the hard one at start); refused at the
+    # handshake with HTTP 429 / 429 / 503 and a JSON body naming the code
+    max_connections_per_address: int = 256
+    max_connections_per_key: int = 1024
+    max_connections: int = 10_000
     # per connection: frames refused (rates) or invalid (protocol errors) get an error while this
     # bucket lasts; past it the connection is closed with rate_limited (1008)
     refused_per_s: float = 20.0
@@ -106,8 +122,9 @@ class StreamerServer:
         self.config = cfg = config or ServerConfig()
         self.connections: set[Connection] = set()
         self.shutting_down = False
-        self.edge = dict.fromkeys(("backpressure_pauses", "rate_limited", "slow_consumers_dropped", "idle_closed",
-                                   "auth_refused", "junk_closed"), 0)  # edge counters for /metrics
+        self.edge = dict.fromkeys(EDGE_COUNTERS, 0)  # edge counters for /metrics
+        self.budget = MessageBudget(cfg.server_messages_per_s, cfg.server_messages_burst)
+        self.gate: ConnectionGate | None = None  # made at start, when the descriptor limit is known
         self._stopped = False
         self.store = open_store(cfg.store_url, cfg.worker_id)
         self.directory = Directory(cfg.api_keys.enabled, cfg.sessions_per_key)
@@ -136,9 +153,11 @@ class StreamerServer:
             self.mqtt = self.services.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix,
                                                               worker_id=self.store.worker_id,
                                                               closed_retention_s=self.store.retention_s).start()
+        self.gate = connection_gate(cfg, self.edge)
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
-            create_connection=LenientConnection, logger=wire_log, open_timeout=cfg.open_timeout_s,
+            create_connection=functools.partial(LenientConnection, gate=self.gate), logger=wire_log,
+            open_timeout=cfg.open_timeout_s,
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout)
         self.store.worker_url = cfg.public_url or f"ws://{cfg.host}:{self.port}"
         await self.store.start()
@@ -230,7 +249,8 @@ class StreamerServer:
     async def _handle(self, ws: ServerConnection) -> None:
         # /v1/realtime speaks the OpenAI Realtime events (streamer.realtime); any other path ours
         kind = RealtimeConnection if is_realtime(ws.request.path if ws.request else None) else Connection
-        conn = kind(ws, self.services, self.api_key_name(ws), self._media_for, lambda: self.shutting_down)
+        conn = kind(ws, self.services, self.api_key_name(ws), self._media_for, lambda: self.shutting_down,
+                    self.budget)
         self.connections.add(conn)
         try:
             await conn.run()
@@ -315,18 +335,58 @@ class StreamerServer:
             return page
         if request.headers.get("Upgrade", "").lower() == "websocket":
             key = key_from_request(request.headers, request.path)
-            if key is not None and self.config.api_keys.enabled and self.config.api_keys.check(key) is None:
+            name = self.config.api_keys.check(key) if key is not None and self.config.api_keys.enabled else None
+            if key is not None and self.config.api_keys.enabled and name is None:
                 self.edge["auth_refused"] += 1
                 return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
+            if self.gate is not None and (refusal := self.gate.admit(connection, name)) is not None:
+                status, code, message = refusal
+                log.warning("connection from %s refused: %s", connection.address, code)
+                return _json_response(status, {"error": message, "code": code}, retry_after=5)
             return None
         return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard, /app or a websocket"})
 
 
-def _json_response(status: HTTPStatus, body: dict) -> Response:
+def _json_response(status: HTTPStatus, body: dict, retry_after: int | None = None) -> Response:
     data = json.dumps(body).encode()
     headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(data))),
                        ("Connection", "close")])
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
     return Response(status.value, status.phrase, headers, data)
+
+
+FD_RESERVE = 64  # descriptors kept for files, the store, the broker and the model when sockets are many
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-file limit to the hard one where allowed (logged); returns the soft
+    limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+            return soft
+        log.info("raised the open-file limit from %d to %d", soft, target)
+        return target
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_gate(cfg: ServerConfig, edge: dict) -> ConnectionGate:
+    """The connection caps, with the server-wide one kept below the open-file limit: sockets
+    past `limit - FD_RESERVE` are closed unanswered, and `max_connections` is lowered (logged)
+    to leave room for that margin and for handshakes being refused."""
+    limit = raise_fd_limit()
+    reset_at = max(limit - FD_RESERVE, 16)
+    total = cfg.max_connections
+    if total > reset_at - FD_RESERVE:
+        total = max(reset_at - FD_RESERVE, 1)
+        log.warning("max_connections %d is above what the open-file limit %d allows; using %d",
+                    cfg.max_connections, limit, total)
+    return ConnectionGate(cfg.max_connections_per_address, cfg.max_connections_per_key, total, reset_at, edge)
 
 
 async def _going_away(connections) -> None:

@@ -418,15 +418,15 @@ async def speech_tour(rec: Recorder, peer: Peer) -> None:
 
 
 async def edge_limits(rec: Recorder, engine, tmp: Path) -> None:
-    server, url = await started(engine, messages_burst=3, messages_per_s=0.01, bytes_per_s=1.0,
+    server, url = await started(engine, messages_burst=2, messages_per_s=0.01, bytes_per_s=1.0,
                                 bytes_burst=64 << 10, max_frame_bytes=64 << 10)
     try:
         peer = await Peer.open(rec, url)
         big = {"type": "input.text.append", "session_id": "nosuch", "text": "p" * 40_000}
         await peer.refused(big, "session_not_found")
-        await peer.refused(json.dumps(big), "byte_rate_limited")  # refused unparsed: no reply_to
         await peer.refused({"type": "session.get", "session_id": "y"}, "session_not_found")
         await peer.refused(json.dumps({"type": "session.get", "session_id": "y"}), "rate_limited")
+        await peer.refused(json.dumps(big), "byte_rate_limited")  # over the byte rate for good: closed
         await peer.close()
     finally:
         await server.stop()
