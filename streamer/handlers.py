@@ -140,12 +140,13 @@ def session_create(cmd: Command, peer: Peer, svc: Services):
         raise EngineError("session.create needs an API key: send 'Authorization: Bearer <key>' (or ?api_key=) "
                           "when opening the websocket", code=Code.UNAUTHORIZED)
     key_name = peer.key_name if keys_on else None
-    evicted = svc.resumer.make_room(key_name)  # a detached session holding the last slot goes first
+    chosen = chosen_id(cmd, peer, key_name)
+    evicted = svc.resumer.make_room(key_name)  # a detached session of this key holding the last slot goes first
     if key_name is not None:
         svc.directory.reserve(key_name)  # released below if creation fails
     engine = svc.engine
     flash = [flash_args(item) for item in cmd["flash"] or ()]
-    fut = engine.create_session(cmd["system_prompt"], cmd.session_id, flash, cmd["thinking"], window_of(cmd),
+    fut = engine.create_session(cmd["system_prompt"], chosen, flash, cmd["thinking"], window_of(cmd),
                                 owner=peer.client)
 
     def orphan_check(f) -> None:  # engine thread: a session created after its client left
@@ -189,6 +190,28 @@ async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: 
     return peer.proto.event("session.created", reply_to=cmd.event_id, session_id=sid, model=svc.engine.runner.name,
                             tokens=tokens, subscribe_token=tokens["subscriber"], evicted=evicted or None,
                             session=state)
+
+
+KEY_SEPARATOR = ":"  # between a key's name and the id its holder chose (key names have no ':')
+
+
+def chosen_id(cmd: Command, peer: Peer, key_name: str | None) -> str | None:
+    """The id of a session whose creator chose one: on a server with API keys, namespaced by
+    the key, `<key name>:<chosen>` (a chosen id that already starts with the key's prefix is
+    taken as it is), so ids of different keys never collide and "already in use" only ever
+    speaks of the asking key's own sessions: a tenant learns nothing of another's ids. Without
+    keys (one tenant), the id as chosen. None: the server picks a random id."""
+    chosen = cmd.session_id
+    if chosen is None or key_name is None:
+        return chosen
+    prefix = key_name + KEY_SEPARATOR
+    full = chosen if chosen.startswith(prefix) else prefix + chosen
+    limit = peer.proto.limits.max_id_chars
+    if len(full) > limit:
+        raise EngineError(f"session_id {chosen!r} becomes {full!r} with this API key's prefix, {len(full)} "
+                          f"characters; the limit is {limit}: choose one of at most {limit - len(prefix)}",
+                          code=Code.INVALID_FIELD, param="session_id")
+    return full
 
 
 def window_of(cmd: Command) -> dict | str | None:

@@ -5,7 +5,8 @@
   still count for the API key that created them (`sessions_per_key`) and hold engine slots, so
   under pressure the oldest detached one closes first (`evicted`): past a client's or the
   server's detach cap, and when a new session needs its key's or the engine's last slot
-  (`make_room`).
+  (`make_room`). With API keys only the same key's detached sessions go: one tenant's load
+  never closes another tenant's sessions.
 - A session not live on this worker (a restart, or an adopted session of a dead worker) is
   recovered by replaying its log (streamer.recovery) once the token is checked against the
   digests its log holds and this worker has claimed it in the store's directory.
@@ -72,29 +73,44 @@ class Resumer:
         tracked.client = client
         tracked.dirty = True
         self._schedule_expiry(session_id, tracked)
-        self._enforce_quota(client)
+        self._enforce_quota(client, tracked.key_name)
 
-    def _enforce_quota(self, client: str | None) -> None:
-        for limit, mine in ((self.max_detached_per_client, lambda t: client is not None and t.client == client),
-                            (self.max_detached, lambda t: True)):
-            held = sorted((t for t in self.directory.sessions.values() if t.detached_at is not None and mine(t)),
+    def _tenant(self, key_name: str | None) -> Callable[[Tracked], bool]:
+        """Whose detached sessions a key's load may close: with API keys, that key's own only
+        (a tenant never closes another's); without keys (one tenant), any."""
+        if self.directory.keys_enabled and key_name is not None:
+            return lambda t: t.key_name == key_name
+        return lambda t: True
+
+    def _enforce_quota(self, client: str | None, key_name: str | None = None) -> None:
+        """Past the client's detach cap its oldest detached sessions close; past the server's,
+        as many of the oldest detached sessions of the detaching key (without keys: of anyone)
+        as the server holds too many."""
+        def held(mine: Callable[[Tracked], bool]) -> list[Tracked]:
+            return sorted((t for t in self.directory.sessions.values() if t.detached_at is not None and mine(t)),
                           key=lambda t: t.detached_at)
-            for tracked in held[:max(0, len(held) - limit)]:
-                self._evict(tracked, "over the detach quota of " +
-                            ("its client" if limit == self.max_detached_per_client else "the server"))
+
+        clients = held(lambda t: client is not None and t.client == client)
+        for tracked in clients[:max(0, len(clients) - self.max_detached_per_client)]:
+            self._evict(tracked, "over the detach quota of its client")
+        over = self.directory.detached() - self.max_detached
+        for tracked in held(self._tenant(key_name))[:max(0, over)]:
+            self._evict(tracked, "over the server's detach quota")
 
     def make_room(self, key_name: str | None) -> list[str]:
         """A session is about to be created for `key_name`: if the key holds `sessions_per_key`
-        sessions and one of them is detached, or the engine is at its session limit and a
-        detached session is anywhere, the oldest such detached session closes first. Returns
-        the ids closed that were this key's (its creator is told; another key's ids are not)."""
+        sessions and one of them is detached, or the engine is at its session limit and one of
+        the key's sessions is detached (without keys: any detached session), the oldest such
+        detached session closes first. Another key's detached sessions are never closed: with
+        none of its own, the new session is refused (or queued) as the engine's admission says.
+        Returns the ids closed that were this key's (its creator is told)."""
         directory, mine = self.directory, []
         if key_name is not None and directory.keys_enabled and directory.held(key_name) >= directory.sessions_per_key:
             if (oldest := self._oldest_detached(lambda t: t.key_name == key_name)) is not None:
                 self._evict(oldest, "its API key is at its session quota")
                 mine.append(oldest.session_id)
         if len(directory.sessions) >= self.engine.limits.max_sessions:
-            if (oldest := self._oldest_detached(lambda t: True)) is not None:
+            if (oldest := self._oldest_detached(self._tenant(key_name))) is not None:
                 self._evict(oldest, "the engine is at its session limit")
                 if key_name is not None and oldest.key_name == key_name:
                     mine.append(oldest.session_id)

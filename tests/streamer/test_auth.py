@@ -393,33 +393,39 @@ def test_detached_sessions_count_against_their_key_and_the_oldest_goes_first(tin
 
 
 def test_a_full_engine_closes_the_oldest_detached_session_first(tiny, engine_factory):
-    """At the engine's session limit a new session closes the oldest detached session on the
-    server, whoever's it is (its creator is not told another key's session id; its watchers get
-    `session.closed` `evicted`); with no detached session left the engine refuses."""
+    """At the engine's session limit a new session closes the oldest detached session of its
+    own API key (named in `evicted`; its watchers get `session.closed` `evicted`); another
+    key's detached sessions are never closed (issue 33: a tenant that filled the engine closed
+    the others' detached sessions): with none of its own detached, the engine refuses
+    (`too_many_sessions`) and the other key's sessions stay resumable."""
     engine = engine_factory(tiny[0], max_sessions=3)
 
     async def test(url, server):
         made = []
         for _ in range(2):
             peer = await raw(url, api_key=KEY_A)
-            made.append(await peer.create())
+            created = await peer.request({"type": "session.create"})
+            made.append((created["session_id"], created["tokens"]["producer"]))
             await peer.ws.close()
             await until(lambda: server.directory.detached() == len(made), 10, "the session to be detached")
         ops = await raw(url, api_key=KEY_OPS)
-        assert (await ops.request({"type": "subscribe", "session_id": made[0]}))["type"] == "subscribed"
+        assert (await ops.request({"type": "subscribe", "session_id": made[0][0]}))["type"] == "subscribed"
         bob = await raw(url, api_key=KEY_B)
-        mine = [await bob.create()]  # the third slot
-        created = await bob.request({"type": "session.create"})
-        assert created["type"] == "session.created" and "evicted" not in created  # a's id is not b's to know
-        mine.append(created["session_id"])
+        mine = await bob.create()  # the third slot
+        check_error(await bob.request({"type": "session.create"}), "too_many_sessions")  # a's stay
+        assert server.directory.detached() == 2 and server.resumer.counters["detached_evicted"] == 0
+        alice = await raw(url, api_key=KEY_A)
+        resumed = await alice.request({"type": "session.resume", "session_id": made[1][0], "token": made[1][1]})
+        assert resumed["type"] == "session.resumed", resumed
+        created = await alice.request({"type": "session.create"})  # her own detached session makes room
+        assert created["type"] == "session.created" and created["evicted"] == [made[0][0]], created
         pushed = await next_of(ops, "session.closed", 30)
-        assert (pushed["session_id"], pushed["reason"]) == (made[0], "evicted")
-        mine.append(await bob.create())  # made[1] goes
-        assert made[1] not in server.directory.sessions and server.resumer.counters["detached_evicted"] == 2
-        check_error(await bob.request({"type": "session.create"}), "too_many_sessions")  # nothing detached left
-        for sid in mine:
-            await bob.still_serving(sid)
-        await bob.ws.close()
-        await ops.ws.close()
+        assert (pushed["session_id"], pushed["reason"]) == (made[0][0], "evicted")
+        assert server.resumer.counters["detached_evicted"] == 1
+        check_error(await alice.request({"type": "session.create"}), "too_many_sessions")  # nothing of hers detached
+        for peer, sid in ((bob, mine), (alice, made[1][0]), (alice, created["session_id"])):
+            await peer.still_serving(sid)
+        for peer in (alice, bob, ops):
+            await peer.ws.close()
 
     serve(engine, test, **tenants(sessions_per_key=8))
