@@ -10,7 +10,7 @@ fields. Only the server's event loop uses it (SessionTokens is also thread-safe)
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from streamer.sessions.errors import Code, EngineError
@@ -19,6 +19,22 @@ from .auth import SessionTokens
 
 REASONING_KEEP_CHARS = 4000
 ACTIONS_KEEP = 50
+MOVED_KEEP = 4096  # sessions remembered as adopted by another worker (their clients are told `moved`)
+
+
+class Moved(EngineError):
+    """The session is owned by another worker (`owner`: {worker, url, alive}): connect there."""
+
+    def __init__(self, session_id: str, owner: dict) -> None:
+        where = f" at {owner['url']}" if owner.get("url") else ""
+        super().__init__(f"session {session_id} is owned by worker {owner['worker']}{where}; connect there",
+                         code=Code.MOVED)
+        self.owner = owner
+
+    def event(self, proto, reply_to: str | None, session_id: str | None) -> str:
+        """The `error` event, with `owner` (ServerProtocol.error has no field for it)."""
+        return proto.event("error", reply_to=reply_to, session_id=session_id, error={
+            "code": self.code, "message": self.message, "recoverable": True, "owner": self.owner})
 
 
 @dataclass(slots=True)
@@ -48,6 +64,7 @@ class Directory:
         self.sessions: dict[str, Tracked] = {}
         self._per_key: dict[str, int] = {}  # API key name -> live sessions it holds
         self._key_of: dict[str, str] = {}  # session id -> the API key name that created it
+        self._moved: OrderedDict[str, dict] = OrderedDict()  # session id -> its new owner, newest last
         self.duplicates = 0
 
     # ---- API key quotas ---------------------------------------------------------------------
@@ -74,6 +91,7 @@ class Directory:
 
     def track(self, session_id: str, key_name: str | None, client_seq: int = 0) -> Tracked:
         """A live session on this worker (new, or recovered with the client_seq its log holds)."""
+        self._moved.pop(session_id, None)  # live here (again)
         tracked = self.sessions.get(session_id)
         if tracked is None:
             tracked = self.sessions[session_id] = Tracked(session_id, key_name, client_seq)
@@ -87,6 +105,20 @@ class Directory:
         if key_name is not None:
             self._per_key[key_name] = self._per_key.get(key_name, 0) + 1
         return self.track(session_id, key_name, client_seq)
+
+    # ---- ownership: sessions another worker adopted from this one -----------------------------
+
+    def moved(self, session_id: str, owner: dict) -> None:
+        """Another worker owns the session now (this one lost its lease): it is no longer live
+        here, and commands on it are answered `moved` to `owner` until it is live here again."""
+        self._moved.pop(session_id, None)
+        self._moved[session_id] = owner
+        while len(self._moved) > MOVED_KEEP:
+            self._moved.popitem(last=False)
+
+    def moved_to(self, session_id: str) -> dict | None:
+        """The owner a session was lost to, or None."""
+        return self._moved.get(session_id)
 
     def get(self, session_id: str) -> Tracked | None:
         return self.sessions.get(session_id)

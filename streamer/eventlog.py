@@ -14,9 +14,10 @@ the log's order is the engine's order:
 
 Writes are idempotent by (session, position n) with a record id: a write that timed out (it may
 have landed: a stalled Redis) stays *pending*, and is settled before the next change, or by a
-retry loop once the store answers: an applied record is written again (a no-op if it landed),
-an unapplied one is fenced with a `void` record at its position, or applied now if it landed
-(its resend is then answered as a duplicate). After a failure, the changes already queued
+retry loop once the store answers: an applied record is written again (a no-op if it landed);
+an unapplied one was answered `store_unavailable` (not applied), so it never takes effect: its
+position is fenced with a `void` record, or, if it landed after all, a `void` record right after
+it cancels it (replay skips both), and its resend is a new input. After a failure, the changes already queued
 behind it fail too, and later inputs above the failed client_seq are refused until it is
 resent, so the client_seq high-water mark moves only with durable writes, in order.
 
@@ -29,8 +30,10 @@ beyond it the copy is dropped and such a session fails with a non-recoverable
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -39,13 +42,14 @@ from typing import Any
 
 from streamer.sessions.errors import Code, EngineError
 
-from .directory import Directory
+from .directory import Directory, Moved
 from .records import Create, Record, Void
-from .store import Conflict, LogGap, Store, StoreError, StoreLost
+from .store import Conflict, LogGap, NotOwner, Store, StoreError, StoreLost
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RELOG_MAX_BYTES = 16 << 20
+MIRROR_SLOT_BYTES = 24  # per record of the log copy beyond its bytes object: list slot, list growth, rounding
 SETTLE_RETRY_S = 0.5
 DUPLICATE = object()  # what `first` resolves to for an input that turned out to be in the log already
 
@@ -56,14 +60,15 @@ def unavailable(message: str, recoverable: bool = True) -> EngineError:
 
 @dataclass(eq=False)
 class Pending:
-    """A record whose write failed: applied (write it again) or not (fence or apply it)."""
+    """A record whose write failed: applied (write it again) or not (void it: never applied)."""
 
     n: int
     rid: str
     data: dict
     applied: bool
-    apply: Callable[[], Future] | None = None  # for an unapplied one that turns out to have landed
     client_seq: int | None = None
+    landed: bool = False  # an unapplied one found at position n after all: voided by a record after it
+    void_rid: str = field(default_factory=lambda: _rid())  # the void's id, the same on every try (idempotent)
 
 
 @dataclass(eq=False)
@@ -72,8 +77,8 @@ class Pipe:
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_n: int = 1
-    mirror: list[tuple[int, str, dict]] | None = field(default_factory=list)  # (n, rid, record) written
-    mirror_bytes: int = 0
+    mirror: list[bytes] | None = field(default_factory=list)  # each record written, as compact JSON (n, rid in it)
+    mirror_bytes: int = 0  # what the copy costs in memory (counted as allocated, see LogWriter.mirror)
     pending: Pending | None = None
     enqueued: int = 0  # changes submitted
     broken_upto: int = 0  # changes submitted up to this count fail: one before them was not logged
@@ -89,8 +94,23 @@ class LogWriter:
     """Writing one session's records: at its next position, idempotent by (position, record id);
     the in-memory copy a lost log is re-written from; settling a pending (failed) write."""
 
-    def __init__(self, store: Store, directory: Directory, relog_max_bytes: int, counters: dict) -> None:
+    def __init__(self, store: Store, directory: Directory, relog_max_bytes: int, counters: dict,
+                 lost: Callable[[str, dict], None] | None = None) -> None:
         self.store, self.directory, self.relog_max_bytes, self.counters = store, directory, relog_max_bytes, counters
+        self.lost = lost  # (session id, owner): another worker owns the session now
+
+    async def owned_elsewhere(self, sid: str) -> Moved | None:
+        """After the store refused a write as not this worker's: the session's new owner, if
+        another worker holds it (the session is then dropped here, `lost`), else None."""
+        try:
+            owner = await self.store.owner(sid)
+        except (StoreError, OSError, ConnectionError):
+            return None
+        if owner is None or owner["worker"] == self.store.worker_id:
+            return None
+        if self.lost is not None:
+            self.lost(sid, owner)
+        return Moved(sid, owner)
 
     async def write(self, sid: str, pipe: Pipe, data: dict, rid: str, client_seq: int | None = None) -> None:
         """Write one record at the session's next position (idempotent by position and id)."""
@@ -103,6 +123,11 @@ class LogWriter:
                 await self.store.append(sid, data, n=n, rid=rid)
         except (StoreError, OSError, ConnectionError) as exc:
             self.counters["log_errors"] += 1
+            if isinstance(exc, NotOwner) and not isinstance(exc, StoreLost):
+                if (moved := await self.owned_elsewhere(sid)) is not None:
+                    log.warning("session %s was adopted by worker %s: this worker's copy is dropped", sid,
+                                moved.owner["worker"])
+                    raise moved from None
             log.error("could not log %s on session %s: %s", data.get("kind"), sid, exc)
             if isinstance(exc, Conflict) and exc.holder is None:
                 raise unavailable(f"the log of session {sid} is not where this worker left it ({exc}); "
@@ -114,14 +139,30 @@ class LogWriter:
         self.directory.logged(sid, client_seq if client_seq is not None else data.get("client_seq"))
 
     def mirror(self, pipe: Pipe, n: int, rid: str, record: dict) -> None:
+        """Keep a copy of the record written at `n`, for `relog`. It is kept as compact JSON
+        bytes (a dict of fields cost ~0.9 KB a record) and counted as allocated: the bytes
+        object's own size plus MIRROR_SLOT_BYTES (its list slot, the list's growth and the
+        allocator's rounding), so `relog_max_bytes` bounds the memory the copy really takes."""
         if pipe.mirror is None:
             return
-        size = sum(len(v) for v in record.values() if isinstance(v, str)) + 64
-        pipe.mirror_bytes += size
-        if pipe.mirror_bytes > self.relog_max_bytes:
+        body = {k: v for k, v in record.items() if k not in ("n", "rid", "session_id")}
+        blob = json.dumps({"n": n, "rid": rid, **body}, ensure_ascii=False, separators=(",", ":")).encode()
+        size = sys.getsizeof(blob) + MIRROR_SLOT_BYTES
+        if pipe.mirror_bytes + size > self.relog_max_bytes:
             pipe.mirror = None  # too big to keep: a store that loses this session cannot get it back
+            pipe.mirror_bytes = 0
             return
-        pipe.mirror.append((n, rid, record))
+        pipe.mirror_bytes += size
+        pipe.mirror.append(blob)
+
+    @staticmethod
+    def mirrored(pipe: Pipe) -> list[tuple[int, str, dict]]:
+        """The copy as (n, rid, record without n and rid), in log order."""
+        out = []
+        for blob in pipe.mirror or ():
+            record = json.loads(blob)
+            out.append((record.pop("n"), record.pop("rid"), record))
+        return out
 
     async def relog(self, sid: str, pipe: Pipe) -> None:
         """The store lost the session (it restarted empty), or a re-write of it was cut off by
@@ -132,11 +173,13 @@ class LogWriter:
                               f"{self.relog_max_bytes} bytes; close and recreate the session", recoverable=False)
         owner = await self.store.claim(sid)
         if owner is not None:
+            if (moved := await self.owned_elsewhere(sid)) is not None:
+                raise moved
             raise unavailable(f"session {sid} is now owned by worker {owner}", recoverable=False)
         have = await self.store.log_length(sid)
-        missing = [(n, rid, record) for n, rid, record in pipe.mirror if n > have]
+        missing = [(n, rid, record) for n, rid, record in self.mirrored(pipe) if n > have]
         for n, rid, record in missing:
-            await self.store.append(sid, {k: v for k, v in record.items() if k not in ("n", "rid")}, n=n, rid=rid)
+            await self.store.append(sid, record, n=n, rid=rid)
         if missing:
             self.counters["relogged"] += 1
             log.warning("the store lacked %d of the %d records of session %s: re-claimed and re-wrote them",
@@ -152,21 +195,26 @@ class LogWriter:
             pipe.pending = None
             self.counters["log_settled"] += 1
             return
-        try:  # not applied: fence its position with a void record, unless it landed
-            await self.write(sid, pipe, Void(ts=time.time(), rid_of=pending.rid).to_json(), _rid())
-            self.counters["log_fenced"] += 1
-        except EngineError as exc:
-            holder = await self.holder(sid, pending.n)
-            if holder != pending.rid:
-                raise exc
-            # it landed after all: the log holds it, so the session applies it now
-            pipe.next_n = pending.n + 1
-            self.mirror(pipe, pending.n, pending.rid, {**pending.data, "n": pending.n})
-            self.directory.logged(sid, pending.client_seq)
-            if pipe.resend_from is not None and pending.client_seq == pipe.resend_from:
-                pipe.resend_from = None
-            pending.apply()
-            self.counters["log_settled"] += 1
+        # Not applied: its client was told store_unavailable ("not applied, resend it"), so it
+        # must never take effect, even if the write that timed out landed after all. Its position
+        # is fenced with a void record; if the record is there, a void record after it cancels
+        # it. Replay skips both (streamer.recovery.applied); the resend is a new input.
+        void = Void(ts=time.time(), rid_of=pending.rid).to_json()
+        if not pending.landed:
+            try:
+                await self.write(sid, pipe, void, pending.void_rid)
+            except EngineError as exc:
+                if await self.holder(sid, pending.n) != pending.rid:
+                    raise exc
+                pipe.next_n = pending.n + 1  # it landed: it stays in the log, cancelled right after it
+                self.mirror(pipe, pending.n, pending.rid, {**pending.data, "n": pending.n})
+                pending.landed, pending.void_rid = True, _rid()
+                self.counters["log_voided_late"] += 1
+                log.warning("a write of session %s that timed out landed later (position %d); voiding it: "
+                            "its client was told it was not applied", sid, pending.n)
+        if pending.landed:
+            await self.write(sid, pipe, void, pending.void_rid)
+        self.counters["log_fenced"] += 1
         pipe.pending = None
 
     async def holder(self, sid: str, n: int) -> str | None:
@@ -203,13 +251,28 @@ class EventLog:
         self.relog_max_bytes = relog_max_bytes
         self.pipes: dict[str, Pipe] = {}
         self.writes: set[asyncio.Task] = set()
-        self.counters = {"log_records": 0, "log_errors": 0, "log_settled": 0, "log_fenced": 0, "relogged": 0}
-        self.writer = LogWriter(store, directory, relog_max_bytes, self.counters)
+        self.counters = {"log_records": 0, "log_errors": 0, "log_settled": 0, "log_fenced": 0, "log_voided_late": 0,
+                         "relogged": 0}
+        self.on_lost: Callable[[str, dict], None] | None = None  # set by the Resumer: drop a session here
+        self.writer = LogWriter(store, directory, relog_max_bytes, self.counters, self.lose)
+
+    def lose(self, session_id: str, owner: dict) -> None:
+        """Another worker owns the session now: it goes from this worker (`on_lost`)."""
+        if self.on_lost is not None:
+            self.on_lost(session_id, owner)
+        else:
+            self.directory.moved(session_id, owner)
+            self.forget(session_id)
 
     async def store_restarted(self) -> None:
-        """The store forgot this worker (its heartbeat key was gone: Redis restarted empty):
-        every session this worker logs is re-claimed and its log re-written now, not at its
-        next change, so acked inputs are durable again even if no input comes."""
+        """The store forgot this worker (its heartbeat key was gone: Redis restarted empty, or
+        this worker was paused past its heartbeat TTL). First, the sessions another worker
+        owns now (it adopted them meanwhile) are dropped here at once (`lose`): their clients
+        are told `moved`, none is answered from this stale copy. Then every other session this
+        worker logs is re-claimed and its log re-written now, not at its next change, so acked
+        inputs are durable again even if no input comes."""
+        for sid in sorted(set(self.pipes) | set(self.directory.sessions)):
+            await self.writer.owned_elsewhere(sid)
         for sid, pipe in list(self.pipes.items()):
             if pipe.closed or pipe.mirror is None:
                 continue
@@ -418,8 +481,8 @@ class EventLog:
                     return DUPLICATE  # the settled write was this input: it is in the log and applied
                 await self.writer.write(sid, pipe, data, rid, client_seq)
             except EngineError as exc:
-                if pipe.pending is None and exc.recoverable:
-                    pipe.pending = Pending(pipe.next_n, rid, data, False, apply, client_seq)
+                if pipe.pending is None and exc.recoverable and exc.code != Code.MOVED:
+                    pipe.pending = Pending(pipe.next_n, rid, data, False, client_seq)
                     self.writer.retry(sid, pipe)
                 self._broke(pipe, client_seq)
                 raise
@@ -449,6 +512,8 @@ class EventLog:
             try:
                 await self.writer.write(sid, pipe, data, rid)
             except EngineError as exc:
+                if exc.code == Code.MOVED:
+                    raise
                 if pipe.pending is None and exc.recoverable:
                     pipe.pending = Pending(pipe.next_n, rid, data, True)
                     self.writer.retry(sid, pipe)

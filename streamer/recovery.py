@@ -7,8 +7,8 @@ records (streamer.records). Replaying them through the same engine calls, in the
 gives the same token ids at the same positions (each chunk is tokenized on its own), hence the
 same caches, the same seq numbers and the same greedy answers. Each replayed input's seq is
 checked against the logged one where the log has it (inputs logged before they were applied
-have none; one the engine refused then is refused again and skipped; `void` records replay
-as nothing: see streamer.eventlog).
+have none; one the engine refused then is refused again and skipped; `void` records, and the
+records they cancel, replay as nothing: see `applied` and streamer.eventlog).
 
 Not replayed: action rules and running action policies (they are not logged; a client that
 resumes re-sends them), reasoning written by `interleaved` thinking (it is regenerated, so the
@@ -33,6 +33,14 @@ REFUSED_THE_SAME_EVERYWHERE = frozenset({Code.INPUT_ENDED, Code.INVALID_FIELD, C
                                          Code.MISSING_FIELD})
 
 
+def applied(raw: list[dict]) -> list[dict]:
+    """The stored records that took effect: without `void` records and the records they cancel
+    (an input whose write timed out, was answered `store_unavailable` and landed after all,
+    streamer.eventlog). The positions `n` stay as stored."""
+    voided = {r.get("rid_of") for r in raw if r.get("kind") == "void"} - {None}
+    return [r for r in raw if r.get("kind") != "void" and r.get("rid") not in voided]
+
+
 def parse(raw: list[dict]) -> list[Record]:
     """The stored JSON records as typed records (ReplayError on an unknown or malformed one)."""
     return [Record.from_json(r) for r in raw]
@@ -41,7 +49,7 @@ def parse(raw: list[dict]) -> list[Record]:
 async def replay(engine, session_id: str, raw: list[dict], store=None) -> dict:
     """Re-create `session_id` on `engine` from its log; resolves to the session's state. Video
     frames come back from their blobs in `store`."""
-    records = parse(raw)
+    records = parse(applied(raw))
     await load_blobs(records, store)
     if not records or not isinstance(records[0], Create):
         raise ReplayError(f"the log of session {session_id} does not start with its creation")

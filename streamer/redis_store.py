@@ -12,7 +12,10 @@ Keys (all under `prefix`, default `streamer`):
 Appends and claims are Lua scripts, so they are atomic: an append succeeds only while this
 worker owns the session (a worker that was presumed dead and came back cannot write into a
 log another worker adopted: fencing without home-made consensus), and a claim succeeds only
-when the session has no owner, or an owner whose heartbeat key has expired.
+when the session has no owner, or an owner whose heartbeat key has expired. A successful beat
+is this worker's lease until shortly before its key could expire (`lease_lapsed`): a worker
+whose lease lapsed (paused, stalled) beats again before it serves a session, and learns then
+which of its sessions another worker adopted (streamer.resume.Resumer.fence).
 
 An append names its position n and record id: it is idempotent by (session, n), so a write
 that timed out (and may have landed) is retried or read back without duplicating a record or
@@ -35,10 +38,11 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from .store import (DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, LogGap, NotOwner, Store, StoreError, StoreLost,
-                    _check_digest)
+from .store import (DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, LogGap, NotOwner, Store, StoreError,
+                    StoreLost, _check_digest)
 
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
+LEASE_MARGIN_S = 0.5  # a lease is trusted until this long before the heartbeat key's TTL runs out
 
 _APPEND = """
 local owner = redis.call('GET', KEYS[2])
@@ -144,6 +148,7 @@ class RedisStore(Store):
         self._locks: dict[str, asyncio.Lock] = {}
         self._closed = False
         self._beaten = False  # a heartbeat has been written (a later one that finds none: forgotten)
+        self._lease_until = float("-inf")  # no beat yet (Store.lease_lapsed)
 
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -160,8 +165,14 @@ class RedisStore(Store):
         # The previous value comes back with the write: none after an earlier beat means the
         # key vanished before its TTL (a beat is due every HEARTBEAT_S < WORKER_TTL_S): Redis
         # restarted empty, or this worker stalled past its TTL.
-        before = await self._do(self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
-                                               px=int(WORKER_TTL_S * 1000), get=True))
+        sent = time.monotonic()  # the key lives WORKER_TTL_S from when Redis runs the SET: later than this
+        try:
+            before = await self._do(self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
+                                                   px=int(WORKER_TTL_S * 1000), get=True))
+        except StoreError:
+            self._beat_failed_at = time.monotonic()
+            raise
+        self._lease_until = sent + WORKER_TTL_S - LEASE_MARGIN_S
         forgotten = before is None and self._beaten
         self._beaten = True
         return forgotten

@@ -25,26 +25,16 @@ from collections.abc import Callable
 from streamer.sessions.errors import Code, EngineError
 
 from .auth import ROLES, digest
-from .directory import Directory, Tracked
+from .directory import Directory, Moved, Tracked
 from .eventlog import EventLog
 from .records import Close, Create, client_seq_of
-from .recovery import parse, replay
+from .recovery import applied, parse, replay
 from .snapshots import Snapshots
-from .store import Store
+from .store import Store, beat
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DETACH_TTL_S = 300.0
-
-
-class Moved(EngineError):
-    """The session is owned by another live worker."""
-
-    def __init__(self, session_id: str, owner: dict) -> None:
-        where = f" at {owner['url']}" if owner.get("url") else ""
-        super().__init__(f"session {session_id} is owned by worker {owner['worker']}{where}; connect there",
-                         code=Code.MOVED)
-        self.owner = owner
 
 
 class Resumer:
@@ -60,11 +50,54 @@ class Resumer:
         self.on_close = on_close  # (session id, reason): closed here (subscribers are told, MQTT stops)
         self._recovering: dict[str, asyncio.Future] = {}
         self.max_detached, self.max_detached_per_client = max_detached, max_detached_per_client
-        self.counters = {"recovered": 0, "detached_expired": 0, "detached_evicted": 0}
+        self.counters = {"recovered": 0, "detached_expired": 0, "detached_evicted": 0, "sessions_lost": 0}
+        events.on_lost = self.lost
+
+    # ---- ownership: a worker that lost its lease ----------------------------------------------
+
+    def lost(self, session_id: str, owner: dict) -> None:
+        """Another worker owns the session now: this worker was presumed dead (paused past its
+        heartbeat TTL) and the session was adopted. Its copy here goes at once (engine, tokens,
+        event pipe), with no close in the log and no release in the directory (both are the
+        new owner's); commands on it are answered `moved` to `owner`."""
+        if self.directory.get(session_id) is None and session_id not in self.events.pipes:
+            self.directory.moved(session_id, owner)
+            return
+        self.counters["sessions_lost"] += 1
+        log.warning("session %s is owned by worker %s now (this worker lost its lease): dropping it here",
+                    session_id, owner.get("worker"))
+        self.directory.forget(session_id)
+        self.directory.moved(session_id, owner)
+        self.events.forget(session_id)
+        if session_id in self.engine.sessions:
+            self.engine.close_session(session_id)
+
+    async def fence(self, cmd, proto) -> str | None:
+        """Before a command on a session: when this worker's lease may have lapsed (it was
+        paused, or its loop stalled, past the heartbeat TTL), beat first (one beat shared by
+        every waiting command); a beat that finds this worker forgotten drops the sessions
+        another worker adopted meanwhile. Returns the `moved` error event for a session lost
+        that way, else None (the command goes on). `session.resume` is let through: it claims
+        the session (adopting it back when its new owner died too, or answering `moved`);
+        `session.create` names a new session."""
+        session_id, command = cmd.session_id, cmd.type
+        if session_id is None or command == "session.create":
+            return None
+        if self.directory.get(session_id) is not None and self.store.lease_lapsed():
+            try:
+                await beat(self.store, self.events.store_restarted)
+            except Exception as exc:  # the store does not answer: nobody can adopt through it either
+                log.warning("renewing this worker's lease before a %s: %s", command, exc)
+        owner = self.directory.moved_to(session_id)
+        if owner is None or command == "session.resume":
+            return None
+        return Moved(session_id, owner).event(proto, cmd.event_id, session_id)
 
     def detach(self, session_id: str, client: str | None = None) -> None:
         """Its producer went away: keep the session for `detach_ttl_s`, then close it. Over the
         client's or the server's detach quota, the oldest detached session closes first."""
+        if self.directory.moved_to(session_id) is not None:
+            return  # adopted by another worker: nothing of it is left here to keep or close
         tracked = self.directory.get(session_id)
         if tracked is None or self.detach_ttl_s <= 0:
             self.close(session_id, "detached")
@@ -188,7 +221,7 @@ class Resumer:
     async def _recover(self, session_id: str, token: str) -> dict:
         not_found = EngineError(f"no session {session_id!r} with that producer token", code=Code.SESSION_NOT_FOUND)
         raw = await self.store.read_log(session_id)
-        records = parse(raw) if raw else []
+        records = parse(applied(raw)) if raw else []
         if not records or not isinstance(records[0], Create) or any(r.kind == "close" for r in records):
             raise not_found
         digests = records[0].tokens or {}

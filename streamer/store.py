@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import secrets
@@ -77,6 +78,10 @@ class Store:
         self._owners: dict[str, str] = {}
         self._closed_at: dict[str, float] = {}
         self._blobs: dict[str, tuple[bytes, float]] = {}
+        self._beat_lock = asyncio.Lock()
+        self._beats = 0  # heartbeats tried (see `beat`)
+        self._lease_until = float("inf")  # monotonic time until which this worker's heartbeat surely lives
+        self._beat_failed_at = float("-inf")
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -85,8 +90,18 @@ class Store:
 
     async def heartbeat(self) -> bool:
         """Say this worker is alive (and where it listens). True when the store had forgotten
-        this worker since its last beat (it restarted empty): its sessions need re-writing."""
+        this worker since its last beat (it restarted empty, or this worker was paused past its
+        TTL): another worker may own its sessions now, and the store may have lost their logs."""
         return False
+
+    def lease_lapsed(self) -> bool:
+        """Whether this worker's heartbeat may have expired in the store since its last beat
+        (the process was paused, or its event loop stalled, past WORKER_TTL_S), so that another
+        worker may have adopted its sessions; False for a while after a beat failed (a store that
+        does not answer cannot say, and nobody can adopt through it: the heartbeat loop tries
+        again). Never for a store of one process (its lease never ends)."""
+        now = time.monotonic()
+        return now > self._lease_until and now - self._beat_failed_at > HEARTBEAT_S
 
     async def flush(self) -> None:
         """Everything appended so far is durable (appends already are when they return)."""
@@ -395,17 +410,32 @@ def open_store(url: str | None, worker_id: str | None = None, retention_s: float
     return FileStore(url, worker_id=worker_id, retention_s=retention_s)
 
 
+async def beat(store: Store, on_forgotten=None) -> None:
+    """One heartbeat; when the store had forgotten this worker, `await on_forgotten()` before
+    any other beat returns. Single flight: a beat that waited for a running one returns with it
+    (that one's outcome stands), so the heartbeat loop and the commands that need a fresh lease
+    share one round trip. Raises StoreError when the store does not answer."""
+    done = store._beats
+    async with store._beat_lock:
+        if store._beats != done:
+            return
+        try:
+            forgotten = await store.heartbeat()
+        finally:
+            store._beats += 1
+        if forgotten and on_forgotten is not None:
+            logging.getLogger(__name__).warning(
+                "the store had forgotten this worker (it restarted empty, or this worker was paused past its "
+                "heartbeat TTL): checking who owns its sessions, re-writing the logs it lost")
+            await on_forgotten()
+
+
 async def heartbeat_loop(store: Store, interval_s: float = HEARTBEAT_S, on_forgotten=None) -> None:
     """Beat every `interval_s`; when the store had forgotten this worker, await `on_forgotten()`
-    (the event log re-writes what it lost)."""
-    import logging
-
+    (the event log drops the sessions another worker adopted and re-writes what the store lost)."""
     while True:
         try:
-            if await store.heartbeat() and on_forgotten is not None:
-                logging.getLogger(__name__).warning("the store had forgotten this worker (restarted empty?): "
-                                                    "re-writing the logs of its sessions")
-                await on_forgotten()
+            await beat(store, on_forgotten)
         except Exception:  # a Redis hiccup must not stop the beat for good
             logging.getLogger(__name__).warning("heartbeat to the store failed", exc_info=True)
         await asyncio.sleep(interval_s)

@@ -20,6 +20,7 @@ from helpers import until  # noqa: E402
 from redisutil import answers  # noqa: E402
 from wsutil import check_error, raw  # noqa: E402
 
+from streamer.recovery import applied  # noqa: E402
 from streamer.server import ServerConfig, StreamerServer  # noqa: E402
 from test_durability import CHUNKS, QUESTION, SYSTEM, stream  # noqa: E402
 
@@ -89,7 +90,7 @@ async def adopt_and_check(peer, url, sid, token, texts, system_prompt, ask_):
     store = await open_store(url, worker_id="reader").start()
     records = await store.read_log(sid)
     await store.redis.aclose()
-    assert [r["text"] for r in records if r["kind"] == "append"] == texts  # each once, in order
+    assert [r["text"] for r in applied(records) if r["kind"] == "append"] == texts  # each once, in order
 
 
 def test_store_faults_cost_no_acked_input_and_resends_are_accepted(tiny_engine, tmp_path):
@@ -125,20 +126,20 @@ def test_store_faults_cost_no_acked_input_and_resends_are_accepted(tiny_engine, 
             assert ack["type"] == "input.ack" and ack["seq"] == 2 and not ack.get("duplicate"), ack
             assert a.events.counters["relogged"] == 1
 
-            # 3. Redis stalls mid-write: the write times out (it may land when Redis wakes); the
-            # resend is then either accepted or, if the stalled write landed, a duplicate that
-            # is in the log and in the session. Either way nothing is lost or doubled.
+            # 3. Redis stalls mid-write: the write times out (it may land when Redis wakes, and
+            # is then voided: its client was told it was not applied); the resend is accepted
+            # as a new input. Either way nothing is lost or doubled.
             redis.stall()
             check_error(await append(peer, sid, CHUNKS[2], 3), "store_unavailable")
             redis.resume()
             again = await append(peer, sid, CHUNKS[2], 3)
-            assert again["type"] == "input.ack", again
+            assert again["type"] == "input.ack" and not again.get("duplicate"), again
             await stream(peer, sid, CHUNKS[3:], first_seq=4)
             state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
             assert (state["inputs"], state["last_seq"]) == (4, 4)
             live = await ask(peer, sid)
             log = await a.store.read_log(sid)
-            texts = [r["text"] for r in log if r["kind"] == "append"]
+            texts = [r["text"] for r in applied(log) if r["kind"] == "append"]
             assert texts == CHUNKS  # each input once, in order
             await peer.ws.close()
         finally:
@@ -266,8 +267,8 @@ def test_each_store_fault_then_kill9_keeps_every_acked_input(fault, tmp_path):
     - stalled: a write times out while Redis is stopped (it may land when Redis wakes);
     - restarted_empty: Redis comes back with nothing (the worker re-writes the log from memory).
     A second worker adopts the session by replay: every acked input is there once, in order;
-    the one input sent during the fault is either absent (and its resend is accepted) or was
-    logged after all (and its resend is acknowledged as a duplicate); the answer equals a control
+    the one input sent during the fault is not applied (absent, or logged after all and voided)
+    and its resend is accepted as a new input; the answer equals a control
     session's fed the same inputs. Tiny model (`--model tiny`): the store path is what is tested."""
     from procutil import ServerProcess
 
@@ -292,7 +293,7 @@ def test_each_store_fault_then_kill9_keeps_every_acked_input(fault, tmp_path):
                 redis.start()
                 await redis.ready()
             resent = await append(peer, sid, texts[2], 3)  # as the SDK does: the same client_seq
-            assert resent["type"] == "input.ack", resent
+            assert resent["type"] == "input.ack" and not resent.get("duplicate"), resent
             await stream(peer, sid, texts[3:], first_seq=4)
             a.kill()
         with ServerProcess("--model", "tiny", "--store", url, "--worker-id", "wb") as b:
