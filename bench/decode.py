@@ -13,6 +13,13 @@ For each context size (default 512 and 4096 tokens of the bundled log, framed as
 Both use the same number of threads. Rounds alternate between engines, so machine drift hits
 them alike; medians are printed. Perplexity per format on the bundled log is printed after.
 
+GGUF types (`--gguf-types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32`): the embedded model's
+weights (its Q4_1 file dequantized) re-exported in each type (sessions/gguf_write.py; tensors
+not a whole number of 256-weight super-blocks fall back as llama-quantize does: Q4_K -> Q5_0,
+Q5_K -> Q5_1, Q6_K -> Q8_0), each loaded as `--model file.gguf --weights auto` loads it, and its
+perplexity on the bundled log printed with the format it ran in and what repacking cost; then
+`RESULT ppl_<type>=...` and nothing else is timed.
+
 Run: python bench/decode.py [--sizes 512,4096] [--formats fp32,int4] [--threads 2] [--reps 3]
 Last line: `RESULT decode512_vs_llama=<ours int4 ms/token / llama.cpp's> decode4k_vs_llama=<x>
 answer8_llama_vs_ours=<llama.cpp time / ours, 8-token answer, largest size>
@@ -56,9 +63,9 @@ def log_tokens(session: Session, tokens: int) -> list[int]:
 class Ours:
     """One weight format: a session per context size, questions as forks on it."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, model: str = "embedded") -> None:
         self.fmt = fmt
-        self.runner = build_runner("embedded", weights=fmt)
+        self.runner = build_runner(model, weights=fmt)
         self.sessions: dict[int, Session] = {}
         self.ingest: dict[int, float] = {}
 
@@ -96,6 +103,33 @@ class Ours:
         return math.exp(nll / count)
 
 
+def gguf_types(types: list[str], tokens: int) -> None:
+    """Perplexity of the embedded model re-exported in each GGUF type (see the module doc)."""
+    import tempfile
+    from pathlib import Path
+
+    from streamer.sessions.gguf_write import export_gguf
+    from streamer.sessions.models import load_model
+
+    source = load_model("embedded").model
+    results = {}
+    print(f"perplexity on {tokens} tokens of the bundled log, the embedded model re-exported per GGUF type:")
+    baseline = Ours("fp32").perplexity(tokens)
+    print(f"  {'fp32':>6} {baseline:8.3f}  (the embedded Q4_1 file dequantized, run as fp32: the reference)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in types:
+            path = Path(tmp) / f"SmolLM2-135M-Instruct.{kind}.gguf"
+            written = export_gguf(source, path, kind, embedded_gguf_path())
+            o = Ours("auto", str(path))
+            results[kind] = ppl = o.perplexity(tokens)
+            w = o.runner.weights
+            repack = f"; repacked at load: {w.repack}" if w.repack else ""
+            print(f"  {kind:>6} {ppl:8.3f}  (ran as {w.format} from {w.source}; tensors written {written}; "
+                  f"{path.stat().st_size / 1e6:.0f} MB file{repack})")
+            path.unlink()
+    print("RESULT ppl_fp32=%.3f " % baseline + " ".join(f"ppl_{k}={v:.3f}" for k, v in results.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="512,4096")
@@ -103,8 +137,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ppl-tokens", type=int, default=1024, help="0 skips perplexity")
+    ap.add_argument("--gguf-types", default="", help="perplexity per GGUF type only (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gguf_types:
+        gguf_types(args.gguf_types.split(","), args.ppl_tokens or 1024)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     formats = args.formats.split(",")
     ours = {fmt: Ours(fmt) for fmt in formats}

@@ -109,15 +109,50 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     log.info("converted in %.1f s, cached at %s", time.monotonic() - started, target)
 
 
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    """A Llama-family GGUF file (Llama, Mistral, SmolLM, Qwen2/2.5/3; sessions/gguf_file.py says
+    which tensor types): its tokenizer and chat template from its metadata, its weights
+    dequantized by transformers into the float model (the reference the native stack's blocks
+    are held to); `LoadedModel.gguf` names the file so the weights step can run its blocks.
+    ModelLoadError (one line) for a file streamer does not run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_file import GgufError, inspect_gguf
+
+    path = Path(path).expanduser()
+    try:
+        info = inspect_gguf(path)
+    except GgufError as exc:
+        raise ModelLoadError(str(exc)) from None
+    torch_dtype = parse_dtype(dtype)
+    started = time.monotonic()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{path.name}: transformers cannot load it ({first})") from None
+    model.hf_quantizer = None  # dequantized: nothing of the GGUF quantizer is left to run
+    model.to(device).eval()
+    log.info("loaded %s (%s, %s; linear layers %s) from %s in %.1f s", info.name, info.architecture,
+             torch_dtype, info.label(), path, time.monotonic() - started)
+    return LoadedModel(model, tokenizer, path.name, path.resolve())
+
+
 def load_model(spec: str = "embedded", dtype: str | torch.dtype = "float32",
                device: str = "cpu") -> LoadedModel:
-    """Load the embedded default (`embedded`), a Hugging Face id, or a local directory."""
+    """Load the embedded default (`embedded`), a GGUF file (`path/to/model.gguf`: `load_gguf`),
+    a Hugging Face id, or a local directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_file import is_gguf_path
 
     torch_dtype = parse_dtype(dtype)
     gguf = None
     if spec in EMBEDDED_ALIASES:
         path, name, gguf = embedded_model_dir(), EMBEDDED_NAME, embedded_gguf_path()
+    elif is_gguf_path(spec):
+        return load_gguf(spec, dtype, device)
     else:
         path, name = spec, spec
     started = time.monotonic()

@@ -125,16 +125,22 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize(linears: Sequence[nn.Linear], bits: int, blocks: Sequence | None = None) -> QuantMatrix:
-    """One matrix of the outputs of `linears` stacked (q|k|v, gate|up); `blocks` per linear:
-    its Q4_1 (codes, d, m) as a GGUF holds them, or None to quantize its float weight."""
+    """One matrix of the outputs of `linears` stacked (q|k|v, gate|up); `blocks` per linear: its
+    blocks as a GGUF holds them in a native format (`(4, codes, d, m)` Q4_1 or `(8, codes, d,
+    None)` Q8_0, sessions/gguf_file.py), or None to quantize its float weight. A matrix is 8-bit
+    if any of its parts comes 8-bit (a Q4_K_M GGUF's Q6_K attn_v fused with Q4_K q and k): its
+    4-bit parts are then Q8_0 of their float weights."""
+    given_all = list(blocks) if blocks is not None else [None] * len(linears)
+    given_all = [(4, *b) if b is not None and len(b) == 3 else b for b in given_all]  # (codes, d, m): Q4_1
+    if bits == 4 and any(b is not None and b[0] == 8 for b in given_all):
+        bits = 8
     codes, ds, ms, biases = [], [], [], []
-    for i, linear in enumerate(linears):
-        given = blocks[i] if blocks is not None else None
-        if bits == 8:
+    for linear, given in zip(linears, given_all):
+        if given is not None and given[0] == bits:
+            _, c, d, m = given
+        elif bits == 8:
             c, d = quantize_q8_0(linear.weight)
             m = None
-        elif given is not None:
-            c, d, m = given
         else:
             c, d, m = quantize_q4_1(linear.weight)
         codes.append(c)
@@ -144,7 +150,7 @@ def quantize(linears: Sequence[nn.Linear], bits: int, blocks: Sequence | None = 
         biases.append(linear.bias.detach() if linear.bias is not None
                       else torch.zeros(linear.out_features))
     has_bias = any(linear.bias is not None for linear in linears)
-    return QuantMatrix.pack(bits, torch.cat(codes), torch.cat(ds), torch.cat(ms) if ms else None,
+    return QuantMatrix.pack(bits, torch.cat(codes), torch.cat(ds), torch.cat(ms) if bits == 4 else None,
                             torch.cat(biases) if has_bias else None)
 
 
@@ -216,7 +222,8 @@ def _fused_linears(model: nn.Module):
 def pack_native(model: nn.Module, fmt: str, blocks: dict | None = None) -> dict[str, QuantMatrix]:
     """The model's linear layers as the C kernels' matrices (q|k|v and gate|up fused), keyed by
     name (`model.layers.{i}.self_attn.native_qkv`, ..., `lm_head`); the model is not changed.
-    `fmt`: "int4" (Q4_1 from `blocks`, the GGUF's, else quantized; the head Q8_0) or "int8"."""
+    `fmt`: "int4" (Q4_1 from `blocks`, the GGUF's, else quantized; a matrix with a part that
+    comes 8-bit is Q8_0; the head Q8_0) or "int8" (Q8_0: a GGUF's 8-bit blocks, else quantized)."""
     started = time.monotonic()
     bits = 4 if fmt == "int4" else 8
     blocks = blocks or {}
@@ -224,7 +231,9 @@ def pack_native(model: nn.Module, fmt: str, blocks: dict | None = None) -> dict[
     for name, _owner, _attr, linears in _fused_linears(model):
         prefix = name.rpartition(".")[0] + "."
         given = [blocks.get(prefix + n) for n in FUSED[name.rpartition(".")[2]][1]]
-        out[name] = quantize(linears, bits, given if bits == 4 else None)
+        if bits == 8:  # int8 takes a GGUF's 8-bit blocks; its 4-bit ones are requantized from floats
+            given = [b if b is not None and b[0] == 8 else None for b in given]
+        out[name] = quantize(linears, bits, given)
     out[HEAD] = quantize([model.get_output_embeddings()], 8)
     log.info("packed %d matrices for the native stack (%s) in %.1f s", len(out), fmt, time.monotonic() - started)
     return out
@@ -242,6 +251,8 @@ def check_packed(model: nn.Module, fmt: str, matrices: dict[str, QuantMatrix]) -
     lib = ck.load()
     for name, (b, n, k, has_bias) in want.items():
         m = matrices[name]
+        if bits == 4 and name != HEAD and m.bits == 8:
+            b = 8  # a part of it came 8-bit from the GGUF (see `quantize`)
         if (m.bits, m.n, m.k, m.bias is not None) != (b, n, k, has_bias):
             raise PackCacheError(f"{name} is {m.bits}-bit {m.n}x{m.k}, this model's is {b}-bit {n}x{k}")
         if m.data.numel() != lib.sk_matrix_bytes(b, n, k) or (has_bias and m.bias.numel() != n):
@@ -303,12 +314,13 @@ def file_sha256(path: Path) -> str:
 
 def packing_code_digest(version: int | None = None) -> str:
     """What decides the packed bytes besides the GGUF: this file (the quantizers, the fusing),
-    weights.py (reading the GGUF's blocks), the C source (sk_pack's layout), and the torch and
+    weights.py and gguf_file.py (reading and repacking the GGUF's blocks), the C source (sk_pack's layout), and the torch and
     transformers versions (the quantizers' arithmetic, the float weights a GGUF converts to)."""
     import transformers
 
     h = hashlib.sha256(f"streamer packed weights v{PACK_VERSION if version is None else version}\0".encode())
-    for path in (Path(__file__), Path(__file__).with_name("weights.py"), ck.SOURCE):
+    for path in (Path(__file__), Path(__file__).with_name("weights.py"), Path(__file__).with_name("gguf_file.py"),
+                 ck.SOURCE):
         h.update(path.read_bytes())
     h.update(f"\0{torch.__version__}\0{transformers.__version__}".encode())
     return h.hexdigest()
@@ -331,8 +343,9 @@ def _align(n: int, to: int = PACK_ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
-def write_packed(path: Path, key: str, matrices: dict[str, QuantMatrix], source: str) -> None:
-    """Write an entry atomically (a temp file in the same directory, then rename)."""
+def write_packed(path: Path, key: str, matrices: dict[str, QuantMatrix], source: str | dict) -> None:
+    """Write an entry atomically (a temp file in the same directory, then rename). `source`: what
+    the weights were packed from (a string, or a JSON object: a GGUF's repacking report)."""
     entries, offset = [], 0
     for name, m in matrices.items():
         offset = _align(offset)
@@ -364,7 +377,7 @@ def write_packed(path: Path, key: str, matrices: dict[str, QuantMatrix], source:
             os.unlink(tmp)
 
 
-def read_packed(path: Path, key: str) -> tuple[dict[str, QuantMatrix], str]:
+def read_packed(path: Path, key: str) -> tuple[dict[str, QuantMatrix], str | dict]:
     """An entry's matrices, mapped from the file (not copied), and the source they were packed
     from. Raises PackCacheError if the file is not a whole entry for `key` or its data fails its
     checksum."""
@@ -395,7 +408,8 @@ def read_packed(path: Path, key: str) -> tuple[dict[str, QuantMatrix], str]:
                 b = int(e["bias_offset"])
                 bias = data[b:b + 4 * n].view(torch.float32)
             matrices[e["name"]] = QuantMatrix(bits, n, k, data[at:at + int(e["nbytes"])], bias)
-        return matrices, str(header["source"])
+        source = header["source"]
+        return matrices, source if isinstance(source, dict) else str(source)
     except PackCacheError:
         raise
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
@@ -411,7 +425,8 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
 
 
 def cached_pack(model: nn.Module, fmt: str, gguf: Path,
-                pack: Callable[[], tuple[dict[str, QuantMatrix], str]]) -> tuple[dict[str, QuantMatrix], str]:
+                pack: Callable[[], tuple[dict[str, QuantMatrix], str | dict]]
+                ) -> tuple[dict[str, QuantMatrix], str | dict]:
     """`pack()`'s result (matrices, source) for this model packed from `gguf`, read from the cache
     when an entry for it is there and whole, else packed and written (under a file lock, so two
     processes starting together pack once). A cache that cannot be written only costs the next
@@ -424,7 +439,7 @@ def cached_pack(model: nn.Module, fmt: str, gguf: Path,
     key = pack_key(file_sha256(gguf), fmt, model_signature(model), packing_code_digest())
     path = cache_root() / "packed" / f"{gguf.stem}-{fmt}-{key[:20]}.bin"
 
-    def read() -> tuple[dict[str, QuantMatrix], str] | None:
+    def read() -> tuple[dict[str, QuantMatrix], str | dict] | None:
         try:
             matrices, source = read_packed(path, key)
             check_packed(model, fmt, matrices)

@@ -28,21 +28,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .gguf_file import GGUF_LINEARS  # noqa: F401  (GGUF tensor names -> module paths; tests import it here)
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 GROUP = 32  # int4 group size (Q4_1's block size)
 SMALL_MODEL_PARAMS = 10_000_000  # below this, a step is overhead-bound: auto keeps fp32
-AUTO_RULE = ("on a CPU: int4 for a model loaded from a Q4 GGUF (the embedded one: the same weights), "
+AUTO_RULE = ("on a CPU: for a model loaded from a quantized GGUF its own width, int4 where most linear "
+             "weights are 4-bit (Q4_0, Q4_1, Q4_K: the embedded model's Q4_1 are the same weights), int8 "
+             "otherwise (Q8_0, Q5_K, Q6_K); "
              f"fp32 for models under {SMALL_MODEL_PARAMS // 1_000_000}M linear weights (tests' tiny "
              "models: overhead-bound, and the exactness oracle), int8 for other checkpoints; on other "
              "devices the weights as loaded")
 COMPUTE = torch.bfloat16  # the quantized kernels' activation dtype (fastest here: avx512_bf16)
-
-# GGUF tensor names of a Llama block -> the module path in the Hugging Face model.
-GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
 
 
 class WeightFormatError(ValueError):
@@ -54,14 +53,18 @@ class WeightsInfo:
     """What the runner's linear layers hold: shown in /healthz, /metrics and session state."""
 
     format: str = "fp32"
-    source: str = "checkpoint"  # checkpoint | quantized at load | gguf Q4_1
+    source: str = "checkpoint"  # checkpoint | quantized at load | gguf <types>, e.g. gguf Q4_1, gguf Q4_K+Q6_K
     linear_bytes: int = 0  # bytes of the linear layers' weights (read once per decode step)
     requested: str = "fp32"
     kernels: str = "torch"  # torch | native (<simd>): streamer's C kernels | aten: ATen's packed kernels
+    repack: dict | None = None  # a GGUF's blocks repacked into the native formats: gguf_file.Repack.public()
 
     def public(self) -> dict:
-        return {"format": self.format, "requested": self.requested, "source": self.source,
-                "linear_bytes": self.linear_bytes, "kernels": self.kernels}
+        out = {"format": self.format, "requested": self.requested, "source": self.source,
+               "linear_bytes": self.linear_bytes, "kernels": self.kernels}
+        if self.repack is not None:
+            out["repack"] = self.repack
+        return out
 
 
 class PackedLinear(nn.Module):
@@ -179,45 +182,27 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def dequantize_q4_1_blocks(blocks: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
-    """GGUF Q4_1 blocks (uint8 [rows, cols/32 * 20]: fp16 d, fp16 m, 16 bytes of codes, the low
-    nibbles being weights 0..15 of the block and the high ones 16..31) -> codes [rows, cols],
-    scale and minimum [rows, cols/32] (fp32)."""
-    b = blocks.reshape(rows, cols // GROUP, 20)
-    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
-    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
-    qs = b[..., 4:]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, blocks, 32]
-    return codes.reshape(rows, cols), d, m
+    """GGUF Q4_1 blocks (uint8 [rows, cols/32 * 20]) -> codes [rows, cols], scale and minimum
+    [rows, cols/32] (fp32): sessions/gguf_file.py q4_1_blocks."""
+    from .gguf_file import q4_1_blocks
+
+    return q4_1_blocks(blocks.numpy(), rows, cols)
 
 
 def _gguf_row_order(rows: int, heads: int) -> torch.Tensor:
-    """The inverse of the q/k row permutation that llama.cpp's converter applies (it interleaves
-    the two rotary halves of each head): row i of the Hugging Face weight is GGUF row order[i]."""
-    dim = rows // heads // 2
-    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+    from .gguf_file import row_order
+
+    return row_order(rows, heads)
 
 
 def gguf_q4_1_linears(model: nn.Module, gguf_path: Path) -> dict[str, tuple[torch.Tensor, ...]]:
-    """The Q4_1 linear weights of a Llama GGUF, keyed by module name, in the model's row order."""
-    import gguf
+    """The 4-bit linear weights of a Llama-family GGUF (Q4_1 as they are, Q4_0 and Q4_K repacked
+    to Q4_1: sessions/gguf_file.py) as (codes, scale, minimum), keyed by module name, in the
+    model's row order."""
+    from .gguf_file import gguf_blocks
 
-    cfg = model.config
-    reader = gguf.GGUFReader(str(gguf_path))
-    out = {}
-    for t in reader.tensors:
-        parts = t.name.split(".")  # blk.{i}.{kind}.weight
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS:
-            continue
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-            continue
-        cols, rows = (int(x) for x in t.shape)
-        codes, d, m = dequantize_q4_1_blocks(torch.from_numpy(t.data.copy()), rows, cols)
-        if parts[2] in ("attn_q", "attn_k"):
-            heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
-            order = _gguf_row_order(rows, heads)
-            codes, d, m = codes[order], d[order], m[order]
-        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = (codes, d, m)
-    return out
+    blocks, _ = gguf_blocks(model, gguf_path)
+    return {name: tuple(b[1:]) for name, b in blocks.items() if b[0] == 4}
 
 
 def linear_params(model: nn.Module) -> int:
@@ -244,7 +229,11 @@ def resolve_format(requested: str, model: nn.Module, device: torch.device | str,
         if not cpu:
             return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp32")
         if gguf_path is not None:
-            return "int4"
+            from .gguf_file import inspect_gguf
+
+            info = inspect_gguf(gguf_path)
+            if info.quantized:
+                return "int4" if info.four_bit else "int8"
         return "fp32" if linear_params(model) < SMALL_MODEL_PARAMS else "int8"
     if requested == "fp32" and dtype != torch.float32:
         raise WeightFormatError(f"--weights fp32 with a {dtype} model: use --dtype float32, or --weights bf16")
@@ -304,23 +293,32 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
         if reason is None:
             from .native import cached_pack, install_native, pack_cache_enabled, pack_native
 
-            def pack() -> tuple[dict, str]:
-                blocks = gguf_q4_1_linears(model, gguf_path) if fmt == "int4" and gguf_path is not None else {}
-                return pack_native(model, fmt, blocks), "gguf Q4_1" if blocks else "quantized at load"
+            def pack() -> tuple[dict, str | dict]:
+                blocks, repack = _gguf_native_blocks(model, gguf_path)
+                matrices = pack_native(model, fmt, blocks)
+                used = any(fmt == "int4" or b[0] == 8 for b in blocks.values())
+                if not used:
+                    return matrices, "quantized at load"
+                source = _gguf_source(gguf_path)
+                return matrices, {"source": source, "repack": repack.public()} if repack.tensors else source
 
             # A model from a GGUF packs the same bytes at every start: the cache keeps them.
             cached = gguf_path is not None and pack_cache_enabled()
             matrices, source = cached_pack(model, fmt, gguf_path, pack) if cached else pack()
             install_native(model, fmt, matrices)
             info = describe_weights(model, requested)
-            info.source = source
-            log.info("linear layers as %s (%s) on %s: %.1f MB", fmt, source, info.kernels, info.linear_bytes / 1e6)
+            if isinstance(source, dict):  # repacked: the cost of the start that packed it
+                info.source, info.repack = str(source["source"]), dict(source["repack"])
+            else:
+                info.source = source
+            log.info("linear layers as %s (%s) on %s: %.1f MB%s", fmt, info.source, info.kernels,
+                     info.linear_bytes / 1e6, _repack_note(info.repack))
             return info
         if native:
             raise WeightFormatError(f"--weights {fmt} on the native kernels cannot run here: {reason}")
         log.warning("%s runs on ATen's kernels (several times slower to decode): %s", fmt, reason)
     blocks = gguf_q4_1_linears(model, gguf_path) if fmt == "int4" and gguf_path is not None else {}
-    source = "gguf Q4_1" if blocks else "quantized at load"
+    source = _gguf_source(gguf_path) if blocks else "quantized at load"
     info = WeightsInfo(format=fmt, requested=requested, source=source, kernels="aten" if fmt != "bf16" else "torch")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -335,6 +333,29 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
         log.info("layers the int4 kernel cannot shape (rows not a multiple of 16) are int8")
     log.info("linear layers as %s (%s): %.1f MB", fmt, info.source, info.linear_bytes / 1e6)
     return info
+
+
+def _gguf_native_blocks(model: nn.Module, gguf_path: Path | None) -> tuple[dict, object]:
+    """A GGUF's quantized linear blocks in the native formats and what repacking them cost."""
+    from .gguf_file import Repack, gguf_blocks
+
+    if gguf_path is None:
+        return {}, Repack()
+    return gguf_blocks(model, gguf_path)
+
+
+def _gguf_source(gguf_path: Path) -> str:
+    from .gguf_file import inspect_gguf
+
+    return f"gguf {inspect_gguf(gguf_path).label()}"
+
+
+def _repack_note(repack: dict | None) -> str:
+    if not repack:
+        return ""
+    kinds = ", ".join(f"{n} {k}" for k, n in repack["tensors"].items())
+    return (f"; repacked at load in {repack['seconds']:.2f} s ({kinds}; relative RMS error of the "
+            f"requantized weights {repack['rel_rms_error']:.2g})")
 
 
 def native_unavailable(model: nn.Module) -> str | None:

@@ -177,7 +177,9 @@ def test_the_embedded_gguf_loads_its_q4_1_blocks_as_the_same_weights(embedded):
 def test_auto_follows_its_rule_and_bad_combinations_are_refused(tokenizer, tmp_path):
     tiny = build_tiny_model(tokenizer).model
     assert resolve_format("auto", tiny, "cpu") == "fp32"  # small: overhead-bound, and the oracle
-    assert resolve_format("auto", tiny, "cpu", gguf_path=tmp_path / "m.gguf") == "int4"
+    from streamer.sessions.models import embedded_gguf_path
+
+    assert resolve_format("auto", tiny, "cpu", gguf_path=embedded_gguf_path()) == "int4"  # a Q4_1 GGUF
     big = nn.Sequential(nn.Linear(4096, 4096, bias=False))
     assert resolve_format("auto", big, "cpu") == "int8"
     assert resolve_format("auto", tiny, "cuda") == "fp32"
