@@ -649,11 +649,6 @@ class Engine:
         """Thread-safe and immediate (see `actions.robot_state`)."""
         actions.robot_state(self.core.sessions, session_id, state, ts)
 
-    @property
-    def queued_commands(self) -> int:
-        """Commands handed to the engine thread that it has not run yet (a snapshot)."""
-        return len(self._control)
-
     def step(self) -> bool:
         """One step, on the calling thread (an engine that is not started)."""
         self._drain()
@@ -667,7 +662,9 @@ class Engine:
         return self.core.metrics()
 
     def snapshot_stats(self) -> dict:
-        return snapshot_stats(self.core)
+        """The core's counters, and `queued_commands`: commands handed to the engine thread that
+        it has not run yet (a snapshot)."""
+        return {**snapshot_stats(self.core), "queued_commands": len(self._control)}
 
     def _round(self) -> int:
         """One turn for each owner with a command ready: up to `command_burst` commands of its

@@ -60,7 +60,7 @@ def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits
             await attacker.send({"type": "input.text.append", "session_id": sid_a, "text": HUGE, "event_id": f"h{i}"})
         # the attacker's appends are queued at the engine (waiting for their tokens, or for the
         # engine thread itself on the old code) before the bystander asks
-        await poll(lambda: engine.queued_commands >= n // 2, "the attacker's appends to queue")
+        await poll(lambda: engine.snapshot_stats()["queued_commands"] >= n // 2, "the attacker's appends to queue")
         replies: list[dict] = []
 
         async def read_attacker() -> None:
