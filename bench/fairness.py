@@ -19,12 +19,27 @@ row into each every 0.2 s and asks a long question with each row; a bystander (a
 asks short questions, first on the idle server, then under that load. Prints each phase's
 latency and the engine-step figures from `query.done` timing. Last line:
 `RESULT flash_p99_vs_idle_p50=<x> max_step_tokens=<n> steps_waited_max=<n>`.
+
+    python bench/fairness.py --attacks        # issue 33's attacks, one after another
+    python bench/fairness.py --attacks --only junk_15mib,idle_10k --questions 20
+
+`--attacks`: a bystander (its own session, client address 127.0.0.2) asks short questions on
+the idle server, then under each attack in turn, each run by separate processes from other
+loopback addresses (127.0.0.3 and up) and stopped before the next: `huge_appends` (appends of
+256 Ki characters, 10/s, refused by the engine), `junk_15mib` (15 MiB junk text frames as fast
+as the socket takes them, reconnecting when closed), `twenty_connections` (20 connections at
+180 session.get/s each, every one under its own limit), `idle_10k` (10,000 idle websockets, 200
+per address; the bench raises its own open-file limit). Every attack stops by itself after
+`--attack-s` seconds. Prints each phase's question p50/p99 and what the server counted, then
+`RESULT worst_attack_p99_vs_idle=<x>` (the largest attack p99 over the idle p99) and each
+attack's ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing
 import os
 import statistics
@@ -54,6 +69,201 @@ def flood(url: str, stop_at: float, counter) -> None:
                 await asyncio.sleep(0.01)
 
     asyncio.run(run())
+
+
+ATTACKS = ("huge_appends", "junk_15mib", "twenty_connections", "idle_10k")
+
+
+def attacker(kind: str, url: str, stop_at: float, counter, address: str, part: int) -> None:
+    """One attacking process (see `--attacks`): runs `kind` until `stop_at`, counting what it sends
+    (for idle_10k: connections held)."""
+    import resource
+    import socket
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    host, port = url.removeprefix("ws://").split(":")
+
+    def bump(n: int = 1) -> None:
+        with counter.get_lock():
+            counter.value += n
+
+    async def open_ws(addr: str, **kwargs):
+        sock = socket.socket()
+        sock.bind((addr, 0))
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        return await connect(url, sock=sock, max_size=None, compression=None, open_timeout=30, **kwargs)
+
+    async def session(ws) -> str:
+        await ws.send('{"type": "session.create", "event_id": "c"}')
+        while True:
+            event = json.loads(await ws.recv())
+            if event.get("reply_to") == "c":
+                return event["session_id"]
+
+    async def drain(ws) -> None:
+        try:
+            async for _ in ws:
+                pass
+        except ConnectionClosed:
+            pass
+
+    async def huge_appends() -> None:
+        text = ("Tide table. " * 30_000)[:262_144]
+        while time.time() < stop_at:
+            try:
+                async with await open_ws(address) as ws:
+                    sid = await session(ws)
+                    reader = asyncio.create_task(drain(ws))
+                    while time.time() < stop_at:
+                        await ws.send(json.dumps({"type": "input.text.append", "session_id": sid, "text": text}))
+                        bump()
+                        await asyncio.sleep(0.1)
+                    reader.cancel()
+            except (ConnectionClosed, OSError, InvalidStatus):
+                await asyncio.sleep(0.1)
+
+    async def junk() -> None:
+        frame = "j" * (15 << 20)
+        while time.time() < stop_at:
+            try:
+                async with await open_ws(address) as ws:
+                    reader = asyncio.create_task(drain(ws))
+                    while time.time() < stop_at:
+                        await ws.send(frame)
+                        bump()
+                    reader.cancel()
+            except (ConnectionClosed, OSError, InvalidStatus):
+                await asyncio.sleep(0.1)
+
+    async def steady(n: int, rate: float) -> None:
+        async def one(i: int) -> None:
+            while time.time() < stop_at:
+                try:
+                    async with await open_ws(address) as ws:
+                        sid = await session(ws)
+                        reader = asyncio.create_task(drain(ws))
+                        msg = json.dumps({"type": "session.get", "session_id": sid})
+                        t = time.time()
+                        while time.time() < stop_at:
+                            await ws.send(msg)
+                            bump()
+                            t += 1 / rate
+                            await asyncio.sleep(max(0.0, t - time.time()))
+                        reader.cancel()
+                except (ConnectionClosed, OSError, InvalidStatus, KeyError):
+                    await asyncio.sleep(0.1)
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+    async def idle(n: int, per_address: int) -> None:
+        held = []
+        base = 3 + part * (n // per_address + 1)
+        for i in range(n):
+            if time.time() >= stop_at:
+                break
+            try:
+                held.append(await open_ws(f"127.0.{base // 250}.{base % 250 + 1 + i // per_address}"))
+                bump()
+            except (OSError, InvalidStatus, asyncio.TimeoutError):
+                pass
+        await asyncio.sleep(max(0.0, stop_at - time.time()))
+        for ws in held:
+            ws.transport.abort()
+
+    job = {"huge_appends": huge_appends, "junk_15mib": junk,
+           "twenty_connections": lambda: steady(10, 180.0),
+           "idle_10k": lambda: idle(5000, 200)}[kind]
+    asyncio.run(job())
+
+
+async def attacks_main(args) -> int:
+    """`--attacks`: the bystander's question latency idle and under each attack."""
+    import resource
+
+    from transformers import AutoTokenizer
+
+    from streamer.server import ServerConfig, StreamerServer
+    from streamer.sessions.engine import Engine, EngineLimits
+    from streamer.sessions.models import build_tiny_model, embedded_model_dir
+    from streamer.sessions.runner import ModelRunner
+    from websockets.asyncio.client import connect
+    from wsutil import Raw
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    lm = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=5, max_positions=4096)
+    engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name), EngineLimits(max_context_tokens=4096)).start()
+    server = await StreamerServer(engine, ServerConfig(port=0)).start()
+    url = f"ws://127.0.0.1:{server.port}"
+    only = [a for a in (args.only.split(",") if args.only else ATTACKS)]
+    phases: dict[str, list[float]] = {}
+    seen: dict[str, dict] = {}
+    try:
+        sock = socket.socket()
+        sock.bind(("127.0.0.2", 0))
+        sock.connect(("127.0.0.1", server.port))
+        sock.setblocking(False)
+        peer = Raw(await connect(url, sock=sock, max_size=None))
+        sid = await peer.create()
+        await peer.request({"type": "input.text.append", "session_id": sid,
+                            "text": "The keeper logged a storm at dawn and a calm sea by noon."})
+
+        async def ask(n: int) -> list[float]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await _ask(peer, sid, "What did the keeper log?")
+                out.append(time.perf_counter() - t0)
+            return out
+
+        await ask(3)  # warm-up
+        phases["idle"] = await ask(args.questions)
+        ctx = multiprocessing.get_context("spawn")
+        for n, kind in enumerate(only):
+            before = dict(server.edge)
+            counter = ctx.Value("q", 0)
+            stop_at = time.time() + args.attack_s
+            procs = 2 if kind in ("twenty_connections", "idle_10k") else 1
+            workers = [ctx.Process(target=attacker, args=(kind, url, stop_at, counter, f"127.0.0.{3 + n}", i),
+                                   daemon=True) for i in range(procs)]
+            for w in workers:
+                w.start()
+            ready = {"huge_appends": 5, "junk_15mib": 2, "twenty_connections": 2000, "idle_10k": 9000}[kind]
+            while counter.value < ready and time.time() < stop_at - 5:
+                await asyncio.sleep(0.1)
+            t0 = time.time()
+            phases[kind] = await ask(args.questions)
+            elapsed = time.time() - t0
+            for w in workers:
+                w.join(max(1.0, stop_at - time.time() + 15))
+                if w.is_alive():
+                    w.terminate()
+            seen[kind] = {k: v - before.get(k, 0) for k, v in server.edge.items() if v != before.get(k, 0)}
+            seen[kind]["attacker_sent_or_held"] = counter.value
+            seen[kind]["asked_over_s"] = round(elapsed, 1)
+            deadline = time.time() + 30
+            while len(server.connections) > 1 and time.time() < deadline:  # the attack's sockets close
+                await asyncio.sleep(0.2)
+    finally:
+        await server.stop()
+        engine.stop()
+    idle99 = percentile(phases["idle"], 0.99)
+    ratios = {}
+    for name, values in phases.items():
+        p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
+        ratios[name] = p99 / idle99
+        print(f"{name:19s} questions {len(values):3d}  p50 {p50 * 1000:8.1f} ms  p99 {p99 * 1000:8.1f} ms  "
+              f"p99/idle {ratios[name]:6.2f}  {seen.get(name, '')}")
+    worst = max((r for k, r in ratios.items() if k != "idle"), default=1.0)
+    print(f"RESULT worst_attack_p99_vs_idle={worst:.2f} "
+          + " ".join(f"{k}={ratios[k]:.2f}" for k in ratios if k != "idle"))
+    return 0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -237,7 +447,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: a bystander's questions beside 96 long flash questions of another key")
     parser.add_argument("--questions", type=int, default=30, help="--flash: bystander questions per phase")
     parser.add_argument("--model", default="tiny", help="--flash: tiny (the edge and scheduler) or a model spec")
+    parser.add_argument("--attacks", action="store_true", help="instead: a bystander's questions under each attack")
+    parser.add_argument("--only", default="", help=f"--attacks: a comma-separated subset of {','.join(ATTACKS)}")
+    parser.add_argument("--attack-s", type=float, default=60.0, help="--attacks: each attack stops after this")
     args = parser.parse_args(argv)
+    if args.attacks:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        return asyncio.run(attacks_main(args))
     if args.flash:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
         return asyncio.run(flash_main(args))
