@@ -16,7 +16,8 @@ their order; owners (the API key, else the client) take turns, and each owner's 
 turns within its turns. A turn runs at most `command_burst` commands of one session (fewer once
 it has used `command_quantum_s`), and the engine steps after every round of turns, so a flood of
 commands from one client delays another session's command by at most one turn per session ahead
-of it. The text of inputs and questions is tokenized before the engine thread, by the
+of it. While only one session has commands waiting, rounds go on (up to `command_burst` x
+`command_quantum_s` of command time): a fast feed's queued inputs are read together. The text of inputs and questions is tokenized before the engine thread, by the
 tokenizer's workers (`tokenizer_threads`, served from a FairQueue the same way); the command
 waits in its session's queue until its tokens are ready, then checks their size on the engine
 thread (O(1)), so an input refused for size never costs the engine thread a tokenization.
@@ -123,6 +124,10 @@ class FairQueue:
 
     def owners(self) -> int:
         return len(self._owners)
+
+    def keys(self) -> int:
+        """How many keys have items waiting."""
+        return len(self._queues)
 
     def put(self, owner: str, key: str, item: object) -> None:
         """Queue `item` behind `key`'s items (a key with items keeps the owner it has)."""
@@ -666,25 +671,36 @@ class Engine:
         it has not run yet (a snapshot)."""
         return {**snapshot_stats(self.core), "queued_commands": len(self._control)}
 
-    def _round(self) -> int:
-        """One turn for each owner with a command ready: up to `command_burst` commands of its
-        session whose turn it is (fewer once they took `command_quantum_s`). Returns how many ran."""
-        ran, ready = 0, Command.is_ready
-        for _ in range(max(1, self._control.owners())):
-            key = self._control.next_key(ready)
-            if key is None:
-                break
-            started = time.perf_counter()
-            for _ in range(self.limits.command_burst):
-                command = self._control.pop(key, ready)
-                if command is None:
+    def _commands(self) -> int:
+        """Commands to run before the next step, in rounds: each owner with a command ready gets
+        a turn of up to `command_burst` commands of its session whose turn it is (fewer once they
+        took `command_quantum_s`). One round while several sessions have commands waiting (each
+        gets its turn, then the engine steps, so no flood delays another session's step); more
+        rounds while only one has (nobody waits behind it: a fast feed's queued inputs are all
+        read by the next step, not `command_burst` a step), for at most `command_burst` x
+        `command_quantum_s` of command time. Returns how many ran."""
+        ready, total = Command.is_ready, 0
+        started = time.perf_counter()
+        budget = self.limits.command_burst * self.limits.command_quantum_s
+        while True:
+            ran = 0
+            for _ in range(max(1, self._control.owners())):
+                key = self._control.next_key(ready)
+                if key is None:
                     break
-                command.run()
-                self.stats.commands += 1
-                ran += 1
-                if time.perf_counter() - started >= self.limits.command_quantum_s:
-                    break
-        return ran
+                turn = time.perf_counter()
+                for _ in range(self.limits.command_burst):
+                    command = self._control.pop(key, ready)
+                    if command is None:
+                        break
+                    command.run()
+                    self.stats.commands += 1
+                    ran += 1
+                    if time.perf_counter() - turn >= self.limits.command_quantum_s:
+                        break
+            total += ran
+            if not ran or self._control.keys() != 1 or time.perf_counter() - started >= budget:
+                return total
 
     def _drain(self) -> None:
         """Run every queued command (in turn order, each waiting for its tokens if it must)."""
@@ -696,7 +712,7 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
-            ran = self._round()
+            ran = self._commands()
             if not self.core.step() and not ran:
                 self._wake.wait(self.core.next_wakeup())
                 self._wake.clear()

@@ -9,6 +9,8 @@ queued. Everything is counted (commands, tokenizations), never timed."""
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 
 import pytest
 
@@ -138,4 +140,30 @@ def test_a_flood_of_engine_commands_delays_another_session_by_one_turn_and_keeps
         with pytest.raises(EngineError, match="does not fit"):
             fut.result()
     assert engine.snapshot_stats()["commands"] - before["commands"] >= 42
+    engine.close_session(sid).result(30)
+
+
+def test_a_lone_fast_feed_is_read_together_not_a_turn_a_step(engine):
+    """While only one session has commands waiting, nobody waits behind it: its queued inputs
+    are all taken before the next step (rounds go on), so a pipelined feed of short rows is read
+    in one step instead of `command_burst` rows a step (which cut ingest of short rows to a
+    fraction of a step's token budget)."""
+    sid = engine.create_session(owner="feed").result(60)["session_id"]
+    engine.append(sid, "row 0: 20.1C").result(60)
+    rows = 3 * engine.limits.command_burst
+    gate = threading.Event()
+    held = engine.call(gate.wait, owner="feed")  # the engine thread waits here while the rows queue
+    before = engine.snapshot_stats()
+    acks = [engine.append(sid, f"row {i}: 20.{i}C") for i in range(1, rows + 1)]
+    end = time.monotonic() + 60
+    while engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"] < rows:
+        assert time.monotonic() < end, "the rows were not tokenized"
+        time.sleep(0.005)
+    gate.set()
+    held.result(60)
+    for ack in acks:
+        ack.result(60)
+    after = engine.snapshot_stats()
+    assert after["commands"] - before["commands"] == rows + 1
+    assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])  # was 3: 8 rows a step
     engine.close_session(sid).result(30)
