@@ -152,8 +152,8 @@ def inspect_gguf(path: str | Path) -> GgufInfo:
         if kind not in TYPES:
             raise GgufError(f"{path.name}: tensor {t.name} is {kind}; streamer runs {', '.join(TYPES)}")
         parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
-            info.linear_types[kind] += int(t.n_elements)
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight":
+            info.linear_types[kind] += int(t.n_elements)  # not their biases (Qwen2's q/k/v: F32)
     if not info.linear_types:
         raise GgufError(f"{path.name}: no decoder layers (blk.N.attn_q.weight ...) in it")
     return info

@@ -128,7 +128,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
     started = time.monotonic()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
+        config = _gguf_config(path, info.architecture)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                     dtype=torch_dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"{path.name}: transformers cannot load it ({first})") from None
@@ -137,6 +139,24 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
     log.info("loaded %s (%s, %s; linear layers %s) from %s in %.1f s", info.name, info.architecture,
              torch_dtype, info.label(), path, time.monotonic() - started)
     return LoadedModel(model, tokenizer, path.name, path.resolve())
+
+
+def _gguf_config(path: Path, architecture: str):
+    """transformers' config of a GGUF, with the head width the file states: transformers maps
+    `{arch}.attention.key_length` for none of our architectures (llama takes it from the rope
+    dimension), so a Qwen3 file whose heads are not Qwen3Config's default 128 wide (or a Qwen2
+    one whose heads are not hidden / heads) loaded with the wrong shapes and failed."""
+    from transformers import AutoConfig
+
+    from .gguf_file import open_gguf
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    field = open_gguf(path).fields.get(f"{architecture}.attention.key_length")
+    if field is not None:
+        head_dim = int(field.contents())
+        if (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) != head_dim:
+            config.head_dim = head_dim
+    return config
 
 
 def load_model(spec: str = "embedded", dtype: str | torch.dtype = "float32",

@@ -6,7 +6,11 @@ one tiny seeded Llama (hidden 256, so every tensor is whole K-quant super-blocks
 embedded model's tokenizer and chat template in their metadata. Each is loaded as a user's file
 is: the reference is transformers' dequantization of it (the float model), the model under test
 the same file on the native stack in the format `auto` picks, its blocks taken as they are or
-repacked. The C kernels are built in the user's cache before STREAMER_CACHE moves to a temp dir.
+repacked. Tiny seeded Qwen2 (q/k/v biases) and Qwen3 (q/k norms, head_dim 64) files, whose q/k
+rows are not permuted as Llama's are, are held to the same checks in F32, Q8_0 and Q4_K, and a
+real `streamer serve --model` process runs a Qwen2 Q6_K file: /healthz states the repacking, a
+session reads text and answers. The C kernels are built in the user's cache before STREAMER_CACHE
+moves to a temp dir (its kernels/ links to the user's, so the server finds them built).
 """
 
 from __future__ import annotations
@@ -76,8 +80,13 @@ def files(source, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
+    """A private STREAMER_CACHE (pack cache entries) whose kernels/ is the user's, so a server
+    started as a subprocess finds the library built already."""
+    from streamer.kernels import cpu
+
     require_native()
     root = tmp_path_factory.mktemp("cache")
+    (root / "kernels").symlink_to(cpu.cache_dir(), target_is_directory=True)
     old = os.environ.get("STREAMER_CACHE")
     os.environ["STREAMER_CACHE"] = str(root)
     yield root
@@ -176,6 +185,12 @@ def test_a_gguf_in_each_type_runs_on_the_native_stack_within_its_tolerance(kind,
     error = float((got - expected).abs().max()) / scale
     assert error <= tolerance, (kind, error)
 
+    assert_incremental_is_one_shot(model, ref, info, ids)
+
+
+def assert_incremental_is_one_shot(model, ref, info, ids: list[int]) -> None:
+    """On the native stack, the text read in four uneven pieces gives the one-shot logits, bit
+    for bit."""
     runner = ModelRunner(model, ref.tokenizer, ref.name, info)
     assert runner.native is not None
     with torch.inference_mode():
@@ -208,6 +223,143 @@ def test_int4_on_a_q8_0_file_and_int8_on_a_q4_file(files, cache):
     q4 = load_model(str(files["Q4_1"]))
     info = apply_weights(q4.model, "int8", "cpu", q4.gguf)
     assert info.format == "int8" and info.source == "quantized at load"
+
+
+# ---- Qwen2 and Qwen3: no q/k row permutation, Qwen2's q/k/v biases, Qwen3's q/k norms ------------
+
+# type -> (the format auto runs, how its blocks reach the kernels)
+QWEN_TYPES = {"F32": ("int8", None), "Q8_0": ("int8", None), "Q4_K": ("int4", "Q4_K->Q4_1")}
+# (architecture, type) -> (max |logit error| / std of the native stack vs the dequantized
+# reference, of the reference vs the float model). Measured here (avx512-vnni): Qwen2 as the
+# Llama above (native 0.04 Q8_0, 0.05 Q4_K, 0.06 F32 at int8; file 0.04 Q8_0, 0.64 Q4_K); Qwen3's
+# q/k norms rescale each head's q and k to unit RMS, so rounding weighs more (native 0.056 Q8_0,
+# 0.076 Q4_K, 0.115 F32 at int8; file 0.095 Q8_0, 1.33 Q4_K).
+QWEN_TOLERANCE = {("qwen2", "F32"): (0.12, 0.0), ("qwen2", "Q8_0"): (0.05, 0.1), ("qwen2", "Q4_K"): (0.15, 1.0),
+                  ("qwen3", "F32"): (0.15, 0.0), ("qwen3", "Q8_0"): (0.08, 0.15), ("qwen3", "Q4_K"): (0.15, 1.6)}
+
+
+def tiny_qwen(arch: str, tokenizer, seed: int = 5) -> torch.nn.Module:
+    """A tiny seeded Qwen2 (q/k/v biases, random rather than the init's zeros) or Qwen3 (q/k
+    RMS norms, random rather than ones; head_dim 64, not Qwen3Config's default 128)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    getattr(layer.self_attn, proj).bias.normal_(0, 0.3)
+        return model
+    model = Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen(tokenizer, tmp_path_factory):
+    """(the float model, {type: its GGUF}) per architecture, each written on first use."""
+    root = tmp_path_factory.mktemp("gguf-qwen")
+
+    class Files(dict):
+        def __init__(self, arch: str) -> None:
+            super().__init__()
+            self.arch, self.source = arch, tiny_qwen(arch, tokenizer)
+
+        def __missing__(self, kind: str) -> Path:
+            path = root / f"tiny-{self.arch}.{kind}.gguf"
+            export_gguf(self.source, path, kind, embedded_gguf_path(), name=f"tiny {self.arch}")
+            return self.setdefault(kind, path)
+
+    return {arch: Files(arch) for arch in ("qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("kind", list(QWEN_TYPES))
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen2_and_qwen3_ggufs_run_on_the_native_stack_within_their_tolerance(arch, kind, qwen, cache, tokenizer):
+    fmt, repacked = QWEN_TYPES[kind]
+    tolerance, file_bound = QWEN_TOLERANCE[arch, kind]
+    files = qwen[arch]
+    source, path = files.source, files[kind]
+    assert inspect_gguf(path).architecture == arch
+    ref = load_model(str(path))
+    assert type(ref.model) is type(source)
+    assert ref.model.model.layers[0].self_attn.head_dim == 64  # the file's key_length (transformers reads none)
+    ids = ref.tokenizer(TEXT)["input_ids"]
+    assert ids == tokenizer(TEXT)["input_ids"] and ref.tokenizer.chat_template == tokenizer.chat_template
+    # what only Qwen has reaches the reference as written (norms and biases are F32 in every type)
+    for got, want in zip(ref.model.model.layers, source.model.layers, strict=True):
+        for part in (("q_proj", "k_proj", "v_proj") if arch == "qwen2" else ("q_norm", "k_norm")):
+            tensor = "bias" if arch == "qwen2" else "weight"
+            assert torch.equal(getattr(got.self_attn.get_submodule(part), tensor),
+                               getattr(want.self_attn.get_submodule(part), tensor)), part
+    expected = logits(ref.model, ids)
+    scale = float(expected.std())
+    file_error = float((expected - logits(source, ids)).abs().max()) / scale
+    assert file_error <= file_bound, (arch, kind, file_error)
+
+    model = copy.deepcopy(ref.model)
+    info = apply_weights(model, "auto", "cpu", ref.gguf)
+    public = info.public()
+    assert (info.format, info.kernels.startswith("native")) == (fmt, True), public
+    if kind == "F32":
+        assert info.source == "quantized at load" and "repack" not in public
+    else:
+        assert info.source == f"gguf {kind}", public  # Qwen2's F32 biases are not linear weights' types
+        assert public.get("repack", {}).get("tensors") == ({repacked: 14} if repacked else None)
+    got = logits(model, ids)
+    error = float((got - expected).abs().max()) / scale
+    assert error <= tolerance, (arch, kind, error)
+    assert_incremental_is_one_shot(model, ref, info, ids)
+
+
+def test_serve_runs_a_gguf_and_healthz_states_its_repacking(qwen, cache):
+    """`streamer serve --model tiny-qwen2.Q6_K.gguf`, a real process: /healthz names the file's
+    type and the repacking (Q6_K -> Q8_0, its error), a session reads text, a question is answered."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from procutil import ServerProcess
+    from wsutil import raw
+
+    path = qwen["qwen2"]["Q6_K"]
+    with ServerProcess("--store", "memory:", "--model", str(path), ready_timeout=300) as server:
+        port = int(server.url.rsplit(":", 1)[1].strip("/"))
+        health = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30))
+
+        async def ask() -> tuple[dict, list[dict]]:
+            peer = await raw(server.url)
+            try:
+                sid = await peer.create()
+                ack = await peer.request({"type": "input.text.append", "session_id": sid, "text": TEXT})
+                assert ack["type"] == "input.ack", ack
+                await peer.send({"type": "query.create", "session_id": sid, "question": "Who keeps the light?",
+                                 "max_tokens": 8, "event_id": "q1"})
+                return ack, await peer.until("query.done", timeout=120)
+            finally:
+                await peer.ws.close()
+
+        ack, events = asyncio.run(ask())
+    assert health["status"] == "ok" and health["model"] == path.name, health
+    weights = health["weights"]
+    assert (weights["format"], weights["source"]) == ("int8", "gguf Q6_K"), weights
+    assert weights["kernels"].startswith("native"), weights
+    assert weights["repack"]["tensors"] == {"Q6_K->Q8_0": 14}, weights
+    assert 0 < weights["repack"]["rel_rms_error"] < 0.01 and weights["repack"]["seconds"] >= 0, weights
+    assert ack["tokens"] > 0 and ack["total_tokens"] >= ack["tokens"], ack
+    done = events[-1]
+    deltas = [e for e in events if e["type"] == "query.delta" and e.get("reply_to") == "q1"]
+    assert done.get("reply_to") == "q1" and done["finish_reason"] in ("length", "stop"), done
+    assert done["tokens"] > 0 and done["text"] and "".join(e["delta"] for e in deltas) == done["text"], events
+    assert done["context_tokens"] >= ack["total_tokens"], done
 
 
 # ---- what streamer does not run: one line --------------------------------------------------------
