@@ -136,22 +136,56 @@ class Int4Linear(PackedLinear):
 
 class RowStableLinear(nn.Linear):
     """An fp32 linear layer whose rows never depend on how many run together. On the CPU,
-    torch's fp32 GEMM takes another path below 4 rows, which rounds differently (~1e-7): a
-    token read alone would differ from the same token in a step with others, and a replayed
-    session from the original. Fewer than `MIN_ROWS` rows are padded to it. (With one torch
-    thread every row count then gives the same bits; with more, the GEMM's split of the rows
-    over threads can still move a row by ~1e-7.)"""
-
-    MIN_ROWS = 4
+    torch's fp32 GEMM takes other paths below some row count, which round differently (~1e-7):
+    a token read alone would differ from the same token in a step with others, and a replayed
+    session from the original. That row count depends on the CPU and the BLAS build (4 on some
+    machines, 16 on others), so it is measured once per layer shape (`min_rows`) and fewer rows
+    are padded to it. (With one torch thread every row count then gives the same bits; with more,
+    the GEMM's split of the rows over threads can still move a row by ~1e-7.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] >= self.MIN_ROWS:
+        least = min_rows(self.in_features, self.out_features, self.bias is not None)
+        if rows.shape[0] >= least:
             return nn.functional.linear(x, self.weight, self.bias)
-        padded = rows.new_zeros(self.MIN_ROWS, self.in_features)
+        padded = rows.new_zeros(least, self.in_features)
         padded[:rows.shape[0]] = rows
         out = nn.functional.linear(padded, self.weight, self.bias)[:rows.shape[0]]
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+_MIN_ROWS: dict[tuple[int, int, bool], int] = {}
+_ROW_CANDIDATES = (4, 8, 16, 32, 64)
+
+
+def min_rows(in_features: int, out_features: int, bias: bool) -> int:
+    """The fewest rows from which torch's fp32 GEMM on this CPU gives each row the bits it gets
+    in a large batch, for this shape: the smallest candidate p such that every row count from p
+    to 2p+1, and 96 and 160, match a 256-row product (measured once, on random data)."""
+    key = (in_features, out_features, bias)
+    if key not in _MIN_ROWS:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(out_features, in_features, generator=gen)
+        b = torch.randn(out_features, generator=gen) if bias else None
+        x = torch.randn(256, in_features, generator=gen)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the kernel paths, not how threads split the rows
+        try:
+            _MIN_ROWS[key] = _stable_from(x, w, b)
+        finally:
+            torch.set_num_threads(threads)
+    return _MIN_ROWS[key]
+
+
+def _stable_from(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> int:
+    with torch.no_grad():
+        full = nn.functional.linear(x, w, b)
+
+        def stable(m: int) -> bool:
+            return torch.equal(nn.functional.linear(x[:m], w, b), full[:m])
+
+        return next((p for p in _ROW_CANDIDATES if all(stable(m) for m in (*range(p, 2 * p + 2), 96, 160))),
+                    _ROW_CANDIDATES[-1] * 2)
 
 
 def stabilize_rows(model: nn.Module) -> int:
