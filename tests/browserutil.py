@@ -232,3 +232,16 @@ class Browser:
             await self.context.__aexit__(*exc)
         finally:
             self.chromium.stop()
+
+
+# Page helpers for the /app tests: an element's property (as a JS expression), typing, clicking.
+def el(id_: str, prop: str = "textContent") -> str:
+    return f"document.getElementById({json.dumps(id_)}).{prop}"
+
+
+async def fill(page, id_: str, value: str) -> None:
+    await page.eval(f"{el(id_, 'value')} = {json.dumps(value)}")
+
+
+async def click(page, id_: str) -> None:
+    await page.eval(f"document.getElementById({json.dumps(id_)}).click()")

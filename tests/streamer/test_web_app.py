@@ -12,7 +12,7 @@ import json
 import re
 
 import pytest
-from browserutil import Browser, media_flags
+from browserutil import Browser, click, el, fill, media_flags
 from helpers import until
 from fakemedia import write_speech_wav, write_y4m
 from wsutil import serve
@@ -38,18 +38,6 @@ def media_engine(tokenizer):
     engine = Engine(ModelRunner(lm.model, tokenizer, lm.name), EngineLimits(max_context_tokens=2048)).start()
     yield engine
     engine.stop()
-
-
-def el(id_: str, prop: str = "textContent") -> str:
-    return f"document.getElementById({json.dumps(id_)}).{prop}"
-
-
-async def fill(page, id_: str, value: str) -> None:
-    await page.eval(f"{el(id_, 'value')} = {json.dumps(value)}")
-
-
-async def click(page, id_: str) -> None:
-    await page.eval(f"document.getElementById({json.dumps(id_)}).click()")
 
 
 def flash_row(cell: str) -> str:

@@ -13,7 +13,7 @@ import re
 import urllib.request
 
 import pytest
-from browserutil import Browser, media_flags
+from browserutil import Browser, click, el, fill, media_flags
 from fakemedia import write_y4m
 from wsutil import serve
 
@@ -35,18 +35,6 @@ def page_engine(tokenizer):
     engine = Engine(ModelRunner(lm.model, tokenizer, lm.name), EngineLimits(max_context_tokens=2048)).start()
     yield engine
     engine.stop()
-
-
-def el(id_: str, prop: str = "textContent") -> str:
-    return f"document.getElementById({json.dumps(id_)}).{prop}"
-
-
-async def fill(page, id_: str, value: str) -> None:
-    await page.eval(f"{el(id_, 'value')} = {json.dumps(value)}")
-
-
-async def click(page, id_: str) -> None:
-    await page.eval(f"document.getElementById({json.dumps(id_)}).click()")
 
 
 async def open_app(page, url: str, width: int = 1280, height: int = 800) -> None:
