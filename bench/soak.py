@@ -64,6 +64,24 @@ class Stats:
             self.latencies.append((time.monotonic() - self.started, kind, seconds))
 
 
+def held(obj: object, depth: int = 3) -> str:
+    """What keeps `obj` alive, as a chain of referrer types (frames and this function's own
+    lists left out): the first thing to read when a session or connection outlives its close."""
+    chain, current = [type(obj).__name__], obj
+    for _ in range(depth):
+        referrers = [r for r in gc.get_referrers(current)
+                     if not isinstance(r, type(sys._getframe())) and r is not chain]
+        if not referrers:
+            break
+        previous, current = current, referrers[0]
+        name = type(current).__name__
+        if isinstance(current, dict):
+            keys = [k for k, v in current.items() if v is previous][:2]
+            name += f"{keys}" if keys else ""
+        chain.append(name)
+    return " <- ".join(chain)
+
+
 def p99(values: list[float]) -> float:
     if not values:
         return 0.0
@@ -250,12 +268,16 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
         from streamer.server import Connection
         from streamer.sessions.session import Session
 
-        for _ in range(50):  # connection tasks finish their cleanup just after the last close
-            leftovers = sum(type(o) in (Session, Connection) for o in gc.get_objects())
+        for _ in range(200):  # connection tasks finish their cleanup just after the last close
+            left = [o for o in gc.get_objects() if type(o) in (Session, Connection)]
+            leftovers = len(left)
             if not leftovers:
                 break
+            del left
             await asyncio.sleep(0.1)
             gc.collect()
+        held_by = [held(o) for o in left] if leftovers else []
+        left = None
     finally:
         await server.stop()
         engine.stop()
@@ -274,7 +296,7 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
         "p99_by_kind": {k: round(p99([s for _, kk, s in stats.latencies if kk == k]), 3) for k in sorted(stats.ops)},
         "ops": dict(stats.ops), "baseline_mb": round(baseline, 1), "peak_mb": round(max(m for _, m in stats.memory), 1),
         "final_mb": round(final, 1), "mem_growth_mb": round(final - baseline, 1), "windows": windows,
-        "sessions_left": live_sessions, "objects_left": leftovers, "py_blocks_growth": blocks,
+        "sessions_left": live_sessions, "objects_left": leftovers, "objects_held_by": held_by, "py_blocks_growth": blocks,
         "rss_growth_second_half_mb": _half_growth(stats.memory),
     }
     if report:

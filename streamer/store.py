@@ -80,6 +80,7 @@ class Store:
         self._blobs: dict[str, tuple[bytes, float]] = {}
         self._beat_lock = asyncio.Lock()
         self._beats = 0  # heartbeats tried (see `beat`)
+        self._settling = False  # a beat found this worker forgotten and is checking its sessions
         self._lease_until = float("inf")  # monotonic time until which this worker's heartbeat surely lives
         self._beat_failed_at = float("-inf")
 
@@ -100,6 +101,8 @@ class Store:
         worker may have adopted its sessions; False for a while after a beat failed (a store that
         does not answer cannot say, and nobody can adopt through it: the heartbeat loop tries
         again). Never for a store of one process (its lease never ends)."""
+        if self._settling:  # renewed, but which sessions are still ours is being checked
+            return True
         now = time.monotonic()
         return now > self._lease_until and now - self._beat_failed_at > HEARTBEAT_S
 
@@ -421,13 +424,15 @@ async def beat(store: Store, on_forgotten=None) -> None:
             return
         try:
             forgotten = await store.heartbeat()
+            if forgotten and on_forgotten is not None:
+                logging.getLogger(__name__).warning(
+                    "the store had forgotten this worker (it restarted empty, or this worker was paused past its "
+                    "heartbeat TTL): checking who owns its sessions, re-writing the logs it lost")
+                store._settling = True  # commands meanwhile wait for this beat (`lease_lapsed`)
+                await on_forgotten()
         finally:
-            store._beats += 1
-        if forgotten and on_forgotten is not None:
-            logging.getLogger(__name__).warning(
-                "the store had forgotten this worker (it restarted empty, or this worker was paused past its "
-                "heartbeat TTL): checking who owns its sessions, re-writing the logs it lost")
-            await on_forgotten()
+            store._settling = False
+            store._beats += 1  # counted once settled: a command that waited returns after the check
 
 
 async def heartbeat_loop(store: Store, interval_s: float = HEARTBEAT_S, on_forgotten=None) -> None:

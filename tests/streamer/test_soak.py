@@ -19,7 +19,7 @@ def test_one_minute_soak(embedded):
     print("\n".join(lines))
     assert result["errors"] == 0, result["error_samples"]
     assert result["sessions_run"] >= 4 and result["ops"]["query"] > 5 and result["ops"]["append"] > 20
-    assert result["sessions_left"] == 0 and result["objects_left"] == 0
+    assert result["sessions_left"] == 0 and result["objects_left"] == 0, result["objects_held_by"]
     # Per-session state is checked above (no Session or Connection object survives; the KV pool
     # is preallocated, so KV would not show in RSS anyway). RSS after close still carries native
     # caches warming up (per-shape kernel plans, allocator pools): its growth flattens, ~63 MB
