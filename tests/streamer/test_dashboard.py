@@ -119,10 +119,13 @@ def test_first_paint_json_needs_a_token_or_a_key(tiny_engine):
 
 @pytest.mark.embedded
 def test_chromium_shows_a_live_session(embedded):
-    from streamer.sessions.engine import Engine
+    from streamer.sessions.engine import Engine, EngineLimits
     from streamer.sessions.runner import ModelRunner
 
-    engine = Engine(ModelRunner(embedded.model, embedded.tokenizer, embedded.name)).start()
+    # The slow question must show "N behind": past flash_stale_s (20 s by default, reached on a
+    # loaded machine) the server marks it flash.stale and the cell says "stale" instead.
+    limits = EngineLimits(flash_stale_s=3600.0)
+    engine = Engine(ModelRunner(embedded.model, embedded.tokenizer, embedded.name), limits).start()
 
     async def run(url, server):
         peer = await raw(url)
