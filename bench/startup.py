@@ -13,12 +13,14 @@ Where a start goes is read from the server's log, each line timestamped as it ar
   weights (the model loaded -> "linear layers as ...", less the kernel build: the packing, or
   reading the packed weights from the cache), engine+server (-> "streamer listening"),
   first /healthz (-> the first 200).
-`--no-pack-cache` runs the server with STREAMER_PACK_CACHE=0 (the packing runs at every start:
-the figures before the packed-weight cache).
+The baseline, run in the same run on the same warm cache: `--baseline-runs` warm starts with
+STREAMER_PACK_CACHE=0 (the int4 packing runs at every start, as before the packed-weight cache);
+the warm start is printed as a ratio of it. `--no-pack-cache` runs every start that way.
 
-Run: python bench/startup.py [--cold-runs 2] [--warm-runs 3] [--model embedded] [--weights auto]
-     [--no-pack-cache] [--cache DIR]
-The last line is `RESULT cold_start_s=<median> warm_start_s=<median>`.
+Run: python bench/startup.py [--cold-runs 2] [--warm-runs 3] [--baseline-runs 2] [--model embedded]
+     [--weights auto] [--no-pack-cache] [--cache DIR]
+The last line is `RESULT cold_start_s=<median> warm_start_s=<median> no_pack_cache_start_s=<median>
+warm_vs_no_pack_cache=<ratio>`.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def healthz(port: int) -> bool:
         return False
 
 
-def start_once(cache: str, args: argparse.Namespace) -> Run:
+def start_once(cache: str, args: argparse.Namespace, pack_cache: bool = True) -> Run:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "STREAMER_CACHE": cache}
-    if args.no_pack_cache:
+    if args.no_pack_cache or not pack_cache:
         env["STREAMER_PACK_CACHE"] = "0"
     port = free_port()
     cmd = [sys.executable, "-m", "streamer", "serve", "--port", str(port), "--model", args.model,
@@ -141,6 +143,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cold-runs", type=int, default=2)
     parser.add_argument("--warm-runs", type=int, default=3)
+    parser.add_argument("--baseline-runs", type=int, default=2,
+                        help="warm starts with STREAMER_PACK_CACHE=0 on the same cache (the baseline)")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--threads", type=int, default=None)
@@ -163,6 +167,7 @@ def main() -> None:
         if not cold:
             start_once(warm_dir, args)  # fills what it lacks (and the page cache); not counted
         warm = [start_once(warm_dir, args) for _ in range(args.warm_runs)]
+        baseline = [start_once(warm_dir, args, pack_cache=False) for _ in range(args.baseline_runs)]
     finally:
         for path in temps:
             shutil.rmtree(path, ignore_errors=True)
@@ -172,9 +177,12 @@ def main() -> None:
         report("cold start (empty STREAMER_CACHE)", cold)
     if warm:
         report("warm start", warm)
-    cold_s = f"{statistics.median(r.total_s for r in cold):.2f}" if cold else "nan"
-    warm_s = f"{statistics.median(r.total_s for r in warm):.2f}" if warm else "nan"
-    print(f"RESULT cold_start_s={cold_s} warm_start_s={warm_s}")
+    if baseline:
+        report("baseline: warm start, STREAMER_PACK_CACHE=0 (packs at every start)", baseline)
+    median = lambda runs: statistics.median(r.total_s for r in runs) if runs else float("nan")  # noqa: E731
+    ratio = median(warm) / median(baseline) if warm and baseline else float("nan")
+    print(f"RESULT cold_start_s={median(cold):.2f} warm_start_s={median(warm):.2f} "
+          f"no_pack_cache_start_s={median(baseline):.2f} warm_vs_no_pack_cache={ratio:.2f}")
 
 
 if __name__ == "__main__":
