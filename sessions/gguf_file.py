@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
+import struct
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -124,6 +126,81 @@ def open_gguf(path: Path):
     return _reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
+# GGUF metadata value types (gguf.GGUFValueType): fixed-size scalars by struct code; 8 string, 9 array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(slots=True)
+class GgufHeader:
+    """What `inspect_gguf` needs of a GGUF: its scalar and string metadata (arrays left out) and
+    each tensor's (name, element count, ggml type id)."""
+
+    fields: dict[str, object]
+    tensors: list[tuple[str, int, int]]
+
+
+def read_header(path: Path) -> GgufHeader:
+    """The header of a little-endian GGUF (version 2 or 3), read without its weights and without
+    building its arrays: gguf.GGUFReader makes a numpy view per vocabulary entry (~100k on a
+    50k-token model), seconds at every start, where skipping them by their lengths takes
+    milliseconds. ValueError (or struct.error) for a file that is not such a GGUF."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF" or struct.unpack_from("<I", data, 4)[0] not in (2, 3):
+            raise ValueError("no little-endian GGUF v2/v3 header")
+        n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+        pos = 24
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", data, at)
+            if at + 8 + n > len(data):
+                raise ValueError(f"a string of {n} bytes runs past the end of the file")
+            return data[at + 8:at + 8 + n].decode("utf-8", "replace"), at + 8 + n
+
+        def skip(kind: int, at: int, count: int = 1) -> int:
+            if kind in _SCALARS:
+                return at + count * struct.calcsize("<" + _SCALARS[kind])
+            if kind == _STRING:
+                for _ in range(count):
+                    at += 8 + struct.unpack_from("<Q", data, at)[0]
+                return at
+            if kind == _ARRAY:
+                for _ in range(count):
+                    item, n = struct.unpack_from("<IQ", data, at)
+                    at = skip(item, at + 12, n)
+                return at
+            raise ValueError(f"unknown metadata value type {kind}")
+
+        fields: dict[str, object] = {}
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", data, pos)
+            pos += 4
+            if kind in _SCALARS:
+                (fields[key],) = struct.unpack_from("<" + _SCALARS[kind], data, pos)
+            elif kind == _STRING:
+                fields[key], _ = string(pos)
+            pos = skip(kind, pos)
+        tensors = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", data, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
+            type_id, _offset = struct.unpack_from("<IQ", data, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            tensors.append((name, int(np.prod(dims, dtype=np.int64)) if dims else 1, type_id))
+    return GgufHeader(fields, tensors)
+
+
+def _type_name(type_id: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type {type_id}"
+
+
 def _field(reader, name: str):
     f = reader.fields.get(name)
     return None if f is None else f.contents()
@@ -137,23 +214,23 @@ def inspect_gguf(path: str | Path) -> GgufInfo:
     if not path.is_file():
         raise GgufError(f"{path}: no such GGUF file")
     try:
-        reader = open_gguf(path)
-    except (ValueError, OSError, KeyError, IndexError) as exc:
+        header = read_header(path)
+    except (ValueError, OSError, struct.error) as exc:
         raise GgufError(f"{path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-    arch = _field(reader, "general.architecture")
+    arch = header.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GgufError(f"{path.name}: architecture {arch!r} is not one streamer runs from a GGUF "
                         f"({', '.join(ARCHITECTURES)}: Llama, Mistral, SmolLM, Qwen2/2.5/3)")
-    info = GgufInfo(path, arch, str(_field(reader, "general.name") or path.stem))
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if "_exps" in t.name:
-            raise GgufError(f"{path.name}: a mixture of experts ({t.name}); streamer runs dense models")
+    info = GgufInfo(path, arch, str(header.fields.get("general.name") or path.stem))
+    for name, n_elements, type_id in header.tensors:
+        kind = _type_name(type_id)
+        if "_exps" in name:
+            raise GgufError(f"{path.name}: a mixture of experts ({name}); streamer runs dense models")
         if kind not in TYPES:
-            raise GgufError(f"{path.name}: tensor {t.name} is {kind}; streamer runs {', '.join(TYPES)}")
-        parts = t.name.split(".")
+            raise GgufError(f"{path.name}: tensor {name} is {kind}; streamer runs {', '.join(TYPES)}")
+        parts = name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight":
-            info.linear_types[kind] += int(t.n_elements)  # not their biases (Qwen2's q/k/v: F32)
+            info.linear_types[kind] += n_elements  # not their biases (Qwen2's q/k/v: F32)
     if not info.linear_types:
         raise GgufError(f"{path.name}: no decoder layers (blk.N.attn_q.weight ...) in it")
     return info

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import require_native
-from streamer.sessions import native
+from streamer.sessions import gguf_file, native
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.runner import ModelRunner, SeqStep
-from streamer.sessions.weights import GGUF_LINEARS, _gguf_row_order, apply_weights, quantize_q4_1
+from streamer.sessions.weights import GGUF_LINEARS, _gguf_row_order, apply_weights, quantize_q4_1, resolve_format
 
 TEXT = "The lighthouse keeper was named Ada Morrow. She lived on Gull Island with a grey cat called Pepper."
 PACKED = r"packed \d+ matrices for the native stack"
@@ -28,11 +28,18 @@ READ = "packed weights read from the cache"
 UNUSABLE = "cannot be used"
 
 
-def write_gguf(model: torch.nn.Module, path: Path, nudge: int = 0) -> Path:
+def write_gguf(model: torch.nn.Module, path: Path, nudge: int = 0, vocabulary: list[str] | None = None) -> Path:
     """The model's linear layers as Q4_1 blocks in a GGUF, as llama.cpp's converter lays them
-    out; `nudge` changes one block's codes (another GGUF of the same shape)."""
+    out; `nudge` changes one block's codes (another GGUF of the same shape); `vocabulary`: a
+    token list with scores and types in the metadata, as a real model's."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
+    if vocabulary is not None:
+        writer.add_name("tiny with a vocabulary")
+        writer.add_token_list(vocabulary)
+        writer.add_token_scores([float(-i) for i in range(len(vocabulary))])
+        writer.add_token_types([1] * len(vocabulary))
+        writer.add_bos_token_id(1)
     for i, layer in enumerate(model.model.layers):
         for kind, module in GGUF_LINEARS.items():
             weight = layer.get_submodule(module).weight.detach()
@@ -190,3 +197,33 @@ def test_pack_cache_off_packs_at_every_build_and_writes_nothing(tokenizer, cache
     _, log3 = build(tokenizer, tiny_gguf, caplog)
     _, log4 = build(tokenizer, tiny_gguf, caplog)
     assert packed(log3) and len(entries(cache)) == 1 and not packed(log4), (log3, log4)
+
+
+def test_auto_reads_the_gguf_header_itself_and_agrees_with_gguf_reader(tokenizer, tmp_path, monkeypatch):
+    """Every start with --weights auto (the default) inspects the GGUF's tensor types. gguf's
+    GGUFReader builds a numpy view per metadata array entry: on the embedded model's 49k-token
+    vocabulary (~100k entries) seconds, most of a warm start once the packed weights were cached.
+    The header is read by sessions/gguf_file.py's own reader, which must agree with GGUFReader
+    on every tensor and every scalar or string field; a truncated file is refused in one line."""
+    model = build_tiny_model(tokenizer, seed=5).model
+    path = write_gguf(model, tmp_path / "vocab.Q4_1.gguf", vocabulary=[f"tok{i}\u00e9" for i in range(3000)])
+    reference = gguf.GGUFReader(str(path))
+    tensors = [(t.name, int(t.n_elements), int(t.tensor_type)) for t in reference.tensors]
+    fields = {name: f.contents() for name, f in reference.fields.items()
+              if not name.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY}
+    assert "tokenizer.ggml.tokens" in reference.fields and fields["general.name"] == "tiny with a vocabulary"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gguf.GGUFReader parsed the whole header to choose the format")
+
+    gguf_file._reader.cache_clear()
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    header = gguf_file.read_header(path)
+    assert header.tensors == tensors and header.fields == fields
+    assert resolve_format("auto", model, "cpu", path) == "int4"
+    assert gguf_file.inspect_gguf(path).label() == "Q4_1"
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:4000])
+    with pytest.raises(gguf_file.GgufError, match=r"^cut.gguf: not a readable GGUF file \(") as refused:
+        gguf_file.inspect_gguf(cut)
+    assert "\n" not in str(refused.value)
