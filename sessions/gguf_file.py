@@ -114,8 +114,8 @@ def is_gguf_path(spec: str) -> bool:
 @functools.lru_cache(maxsize=2)
 def _reader(path: str, size: int, mtime_ns: int):
     """A GGUFReader (parsing the header of a GGUF with a 50k-token vocabulary takes seconds, and
-    a load reads it three times: inspect, choose the format, take the blocks); keyed by the
-    file's identity so a rewritten file is read anew."""
+    a load that packs reads it for the config and the blocks; `inspect_gguf` reads only the
+    header, with `read_header`); keyed by the file's identity so a rewritten file is read anew."""
     import gguf
 
     return gguf.GGUFReader(path)
