@@ -14,6 +14,7 @@ from streamer.sessions.sampling import SamplingParams
 from streamer.store import FileStore, Store
 
 from helpers import until
+from redisutil import redis_server, redis_url  # noqa: F401  (fixtures)
 from wsutil import raw, serve
 
 ROWS = [f"{i:05d},station-{i % 4},{(i * 7) % 31 - 5}.5,{i % 50}\n" for i in range(160)]
@@ -299,3 +300,48 @@ def test_kill9_then_resume_replays_from_the_checkpoint(tmp_path):
     assert got == want
     appends = [r["client_seq"] for r in records if r["kind"] == "append"]
     assert appends == sorted(set(appends)) and appends[-1] == len(rows)  # each once, in order, up to the last
+
+
+# ---- Redis ----------------------------------------------------------------------------------------
+
+
+def test_redis_store_persists_named_blobs_and_compacts_atomically(redis_url):
+    """A blob a log names has no TTL (put before or after the record); compaction drops
+    positions 2 .. checkpoint-1 in one script, deletes the superseded checkpoint blob and gives
+    the blobs no log names any more their TTL back; a blob two sessions name keeps none until
+    both let go; a closed session's blobs expire with its log."""
+    from streamer.store import open_store
+
+    async def run():
+        store = await open_store(redis_url, worker_id="wa", retention_s=60).start()
+        ttl = lambda data: store.redis.ttl(store.key("blob", _digest(data)))  # noqa: E731
+        named, shared, loose, old, new = (b"frame A", b"frame both", b"loose", b"checkpoint 1", b"checkpoint 2")
+        await store.put_blob(_digest(named), named)  # put first (as the server does), then named
+        await store.put_blob(_digest(loose), loose)
+        for sid in ("s", "t"):
+            await store.claim(sid)
+            await store.append(sid, {"kind": "create"}, n=1, rid="r1")
+            await store.append(sid, {"kind": "frame", "text": "", "blob": _digest(shared), "frame_tokens": 4},
+                               n=2, rid="r2")
+        await store.append("s", {"kind": "checkpoint", "state": {}, "blob": _digest(old)}, n=3, rid="r3")
+        await store.append("s", {"kind": "frame", "text": "", "blob": _digest(named), "frame_tokens": 4}, n=4, rid="r4")
+        await store.put_blob(_digest(shared), shared)
+        await store.put_blob(_digest(old), old)
+        assert await ttl(named) == -1 and await ttl(shared) == -1 and await ttl(old) == -1
+        assert 0 < await ttl(loose) <= 60
+        await store.append("s", {"kind": "checkpoint", "state": {}, "blob": _digest(new)}, n=5, rid="r5")
+        await store.put_blob(_digest(new), new)
+        assert await store.compact("s", 5, (_digest(old),)) == 3
+        assert [r["n"] for r in await store.read_log("s")] == [1, 5] and await store.log_length("s") == 5
+        assert await store.append("s", {"kind": "append", "text": "y"}) == 6
+        assert await store.get_blob(_digest(old)) is None  # superseded: gone now
+        assert 0 < await ttl(named) <= 60  # no log names it: it expires after the retention time
+        assert await ttl(shared) == -1  # t still names it
+        assert await ttl(new) == -1
+        await store.closed("t")
+        assert 0 < await ttl(shared) <= 60
+        await store.closed("s")
+        assert 0 < await ttl(new) <= 60
+        await store.close()
+
+    asyncio.run(run())
