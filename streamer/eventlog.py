@@ -92,6 +92,7 @@ class Pipe:
     closed: bool = False
     since_checkpoint: int = 0  # records written since the last checkpoint (or the start here)
     slid: bool = False  # the window evicted inputs since the last checkpoint
+    slides: int = 0  # the window's slide count last seen
     checkpoint_blob: str | None = None  # the K/V blob of the last checkpoint written here
     checkpointing: asyncio.Task | None = None
 
@@ -291,9 +292,18 @@ class Checkpointer:
         if data.get("kind") == "checkpoint":
             return
         pipe.since_checkpoint += 1
-        pipe.slid = pipe.slid or bool(data.get("evicted"))
+        slides = self._slides(sid)
+        pipe.slid = pipe.slid or bool(data.get("evicted")) or slides != pipe.slides
+        pipe.slides = slides
         if self.due(pipe) and (pipe.checkpointing is None or pipe.checkpointing.done()) and not pipe.closed:
             pipe.checkpointing = self.events.spawn(self.run(sid, pipe))
+
+    def _slides(self, sid: str) -> int:
+        """How often the session's window has slid (read from the engine's thread: a hint that
+        may be a step old; an input logged before it is applied carries no evictions)."""
+        session = self.engine.core.sessions.get(sid)
+        window = session.window if session is not None else None
+        return window.slides if window is not None else 0
 
     async def run(self, sid: str, pipe: Pipe) -> bool:
         """Take a checkpoint of the session now (records were written since the last one);
@@ -329,7 +339,14 @@ class Checkpointer:
         upto = pipe.next_n
         record = Checkpoint(ts=time.time(), state=state, blob=digest,
                             client_seq=tracked.acked_client_seq if tracked is not None else None)
-        await writer.write(sid, pipe, record.to_json(), _rid())
+        data, rid = record.to_json(), _rid()
+        try:
+            await writer.write(sid, pipe, data, rid)
+        except EngineError as exc:  # it may have landed (a timeout): written again before the next record
+            if pipe.pending is None and exc.recoverable and exc.code != Code.MOVED:
+                pipe.pending = Pending(pipe.next_n, rid, data, True)
+                writer.retry(sid, pipe)
+            raise
         superseded = (pipe.checkpoint_blob,) if pipe.checkpoint_blob not in (None, digest) else ()
         dropped = await store.compact(sid, upto, superseded)
         pipe.checkpoint_blob, pipe.since_checkpoint, pipe.slid = digest, 0, False
