@@ -264,7 +264,7 @@ class LogWriter:
 
 
 class Checkpointer:
-    """Checkpoints in the log (docs/architecture.md, "Recovery"): after a window slide once
+    """Checkpoints in the log (docs/architecture.md, "Recovery in O(window)"): after a window slide once
     `min_records` records passed since the last checkpoint, and every `every` records, the
     session's state and K/V are captured (sessions/checkpoint.py), the K/V is put as a blob,
     a `checkpoint` record is written, and the log before it is compacted (Store.compact),
@@ -314,16 +314,16 @@ class Checkpointer:
             async with pipe.lock:
                 if pipe.closed or pipe.pending is not None or pipe.since_checkpoint == 0:
                     return False
-                got = await asyncio.wrap_future(self.engine.call(lambda: capture(self.engine.core, sid),
-                                                                 session_id=sid))
-                if got is not None:
-                    try:
+                try:
+                    got = await asyncio.wrap_future(self.engine.call(lambda: capture(self.engine.core, sid),
+                                                                     session_id=sid))
+                    if got is not None:
                         await self._write(sid, pipe, *got)
-                    except (EngineError, StoreError, OSError) as exc:  # the next records try again
-                        self.events.counters["checkpoint_errors"] += 1
-                        log.warning("checkpoint of session %s failed: %s", sid, exc)
-                        return False
-                    return True
+                        return True
+                except (EngineError, StoreError, OSError) as exc:  # the next records try again
+                    self.events.counters["checkpoint_errors"] += 1
+                    log.warning("checkpoint of session %s failed: %s", sid, exc)
+                    return False
             await asyncio.sleep(self.RETRY_S)
         return False
 
@@ -333,8 +333,8 @@ class Checkpointer:
         from .records import Checkpoint
 
         store, writer = self.events.store, self.events.writer
-        digest, data = await asyncio.to_thread(pack, tensors)
-        await store.put_blob(digest, data)
+        digest, blob = await asyncio.to_thread(pack, tensors)
+        await store.put_blob(digest, blob)
         tracked = self.events.directory.get(sid)
         upto = pipe.next_n
         record = Checkpoint(ts=time.time(), state=state, blob=digest,
@@ -354,7 +354,7 @@ class Checkpointer:
         self.events.counters["checkpoints"] += 1
         self.events.counters["log_compacted"] += dropped
         log.info("session %s: checkpoint at record %d (%d inputs, %d tokens, %d bytes of K/V); %d records compacted",
-                 sid, upto, len(state["chunks"]), state["length"], len(data), dropped)
+                 sid, upto, len(state["chunks"]), state["length"], len(blob), dropped)
 
 
 class EventLog:
