@@ -49,6 +49,8 @@ from .store import Conflict, LogGap, NotOwner, Store, StoreError, StoreLost
 log = logging.getLogger(__name__)
 
 DEFAULT_RELOG_MAX_BYTES = 16 << 20
+DEFAULT_CHECKPOINT_RECORDS = 1000  # a checkpoint at least every this many records
+DEFAULT_CHECKPOINT_MIN_RECORDS = 16  # ... and after a window slide once this many records passed
 MIRROR_SLOT_BYTES = 24  # per record of the log copy beyond its bytes object: list slot, list growth, rounding
 SETTLE_RETRY_S = 0.5
 DUPLICATE = object()  # what `first` resolves to for an input that turned out to be in the log already
@@ -88,6 +90,11 @@ class Pipe:
     waiters: list = field(default_factory=list)  # (count, future): barriers waiting for `passed`
     retrying: asyncio.Task | None = None
     closed: bool = False
+    since_checkpoint: int = 0  # records written since the last checkpoint (or the start here)
+    slid: bool = False  # the window evicted inputs since the last checkpoint
+    slides: int = 0  # the window's slide count last seen
+    checkpoint_blob: str | None = None  # the K/V blob of the last checkpoint written here
+    checkpointing: asyncio.Task | None = None
 
 
 class LogWriter:
@@ -98,6 +105,7 @@ class LogWriter:
                  lost: Callable[[str, dict], None] | None = None) -> None:
         self.store, self.directory, self.relog_max_bytes, self.counters = store, directory, relog_max_bytes, counters
         self.lost = lost  # (session id, owner): another worker owns the session now
+        self.written: Callable[[str, Pipe, dict], None] | None = None  # after each record (the Checkpointer)
 
     async def owned_elsewhere(self, sid: str) -> Moved | None:
         """After the store refused a write as not this worker's: the session's new owner, if
@@ -137,6 +145,8 @@ class LogWriter:
         self.mirror(pipe, n, rid, {**data, "n": n})
         self.counters["log_records"] += 1
         self.directory.logged(sid, client_seq if client_seq is not None else data.get("client_seq"))
+        if self.written is not None:
+            self.written(sid, pipe, data)
 
     def mirror(self, pipe: Pipe, n: int, rid: str, record: dict) -> None:
         """Keep a copy of the record written at `n`, for `relog`. It is kept as compact JSON
@@ -154,6 +164,15 @@ class LogWriter:
             return
         pipe.mirror_bytes += size
         pipe.mirror.append(blob)
+
+    @staticmethod
+    def prune(pipe: Pipe, upto: int) -> None:
+        """The log was compacted up to `upto`: the copy keeps what the log keeps."""
+        if pipe.mirror is None:
+            return
+        kept = [b for b in pipe.mirror if (n := json.loads(b)["n"]) == 1 or n >= upto]
+        pipe.mirror = kept
+        pipe.mirror_bytes = sum(sys.getsizeof(b) + MIRROR_SLOT_BYTES for b in kept)
 
     @staticmethod
     def mirrored(pipe: Pipe) -> list[tuple[int, str, dict]]:
@@ -244,17 +263,118 @@ class LogWriter:
 
 
 
+class Checkpointer:
+    """Checkpoints in the log (docs/architecture.md, "Recovery in O(window)"): after a window slide once
+    `min_records` records passed since the last checkpoint, and every `every` records, the
+    session's state and K/V are captured (sessions/checkpoint.py), the K/V is put as a blob,
+    a `checkpoint` record is written, and the log before it is compacted (Store.compact),
+    together with the previous checkpoint's blob. So replay reads a window, and a live
+    session's log and blobs stay bounded.
+
+    A checkpoint is taken under the session's log lock, so it holds exactly what the records
+    before it applied; a session still reading its backlog, or writing a note, is tried again
+    a little later (the lock is let go meanwhile: inputs go on being logged)."""
+
+    RETRY_S = 0.02
+    TRIES = 250
+
+    def __init__(self, engine, events: "EventLog", every: int = DEFAULT_CHECKPOINT_RECORDS,
+                 min_records: int = DEFAULT_CHECKPOINT_MIN_RECORDS) -> None:
+        if not 1 <= min_records <= every:
+            raise ValueError(f"checkpoint_min_records {min_records} must be in [1, checkpoint_records={every}]")
+        self.engine, self.events, self.every, self.min_records = engine, events, every, min_records
+
+    def due(self, pipe: Pipe) -> bool:
+        return pipe.since_checkpoint >= self.every or (pipe.slid and pipe.since_checkpoint >= self.min_records)
+
+    def written(self, sid: str, pipe: Pipe, data: dict) -> None:
+        """After a record is durable: count it, and start a checkpoint when one is due."""
+        if data.get("kind") == "checkpoint":
+            return
+        pipe.since_checkpoint += 1
+        slides = self._slides(sid)
+        pipe.slid = pipe.slid or bool(data.get("evicted")) or slides != pipe.slides
+        pipe.slides = slides
+        if self.due(pipe) and (pipe.checkpointing is None or pipe.checkpointing.done()) and not pipe.closed:
+            pipe.checkpointing = self.events.spawn(self.run(sid, pipe))
+
+    def _slides(self, sid: str) -> int:
+        """How often the session's window has slid (read from the engine's thread: a hint that
+        may be a step old; an input logged before it is applied carries no evictions)."""
+        session = self.engine.core.sessions.get(sid)
+        window = session.window if session is not None else None
+        return window.slides if window is not None else 0
+
+    async def run(self, sid: str, pipe: Pipe) -> bool:
+        """Take a checkpoint of the session now (records were written since the last one);
+        True when one was written."""
+        from streamer.sessions.checkpoint import capture
+
+        for _ in range(self.TRIES):
+            async with pipe.lock:
+                if pipe.closed or pipe.pending is not None or pipe.since_checkpoint == 0:
+                    return False
+                try:
+                    got = await asyncio.wrap_future(self.engine.call(lambda: capture(self.engine.core, sid),
+                                                                     session_id=sid))
+                    if got is not None:
+                        await self._write(sid, pipe, *got)
+                        return True
+                except (EngineError, StoreError, OSError) as exc:  # the next records try again
+                    self.events.counters["checkpoint_errors"] += 1
+                    log.warning("checkpoint of session %s failed: %s", sid, exc)
+                    return False
+            await asyncio.sleep(self.RETRY_S)
+        return False
+
+    async def _write(self, sid: str, pipe: Pipe, state: dict, tensors: dict) -> None:
+        from streamer.sessions.checkpoint import pack
+
+        from .records import Checkpoint
+
+        store, writer = self.events.store, self.events.writer
+        digest, blob = await asyncio.to_thread(pack, tensors)
+        await store.put_blob(digest, blob)
+        tracked = self.events.directory.get(sid)
+        upto = pipe.next_n
+        record = Checkpoint(ts=time.time(), state=state, blob=digest,
+                            client_seq=tracked.acked_client_seq if tracked is not None else None)
+        data, rid = record.to_json(), _rid()
+        try:
+            await writer.write(sid, pipe, data, rid)
+        except EngineError as exc:  # it may have landed (a timeout): written again before the next record
+            if pipe.pending is None and exc.recoverable and exc.code != Code.MOVED:
+                pipe.pending = Pending(pipe.next_n, rid, data, True)
+                writer.retry(sid, pipe)
+            raise
+        superseded = (pipe.checkpoint_blob,) if pipe.checkpoint_blob not in (None, digest) else ()
+        dropped = await store.compact(sid, upto, superseded)
+        pipe.checkpoint_blob, pipe.since_checkpoint, pipe.slid = digest, 0, False
+        writer.prune(pipe, upto)
+        self.events.counters["checkpoints"] += 1
+        self.events.counters["log_compacted"] += dropped
+        log.info("session %s: checkpoint at record %d (%d inputs, %d tokens, %d bytes of K/V); %d records compacted",
+                 sid, upto, len(state["chunks"]), state["length"], len(blob), dropped)
+
+
 class EventLog:
-    def __init__(self, store: Store, directory: Directory, relog_max_bytes: int = DEFAULT_RELOG_MAX_BYTES) -> None:
+    def __init__(self, store: Store, directory: Directory, relog_max_bytes: int = DEFAULT_RELOG_MAX_BYTES,
+                 engine=None, checkpoint_records: int = DEFAULT_CHECKPOINT_RECORDS,
+                 checkpoint_min_records: int = DEFAULT_CHECKPOINT_MIN_RECORDS) -> None:
         self.store = store
         self.directory = directory
         self.relog_max_bytes = relog_max_bytes
         self.pipes: dict[str, Pipe] = {}
         self.writes: set[asyncio.Task] = set()
         self.counters = {"log_records": 0, "log_errors": 0, "log_settled": 0, "log_fenced": 0, "log_voided_late": 0,
-                         "relogged": 0}
+                         "relogged": 0, "checkpoints": 0, "checkpoint_errors": 0, "log_compacted": 0}
         self.on_lost: Callable[[str, dict], None] | None = None  # set by the Resumer: drop a session here
         self.writer = LogWriter(store, directory, relog_max_bytes, self.counters, self.lose)
+        # without an engine (tools, tests of the log alone) no checkpoints are taken
+        self.checkpointer = (Checkpointer(engine, self, checkpoint_records, checkpoint_min_records)
+                             if engine is not None and checkpoint_records > 0 else None)
+        if self.checkpointer is not None:
+            self.writer.written = self.checkpointer.written
 
     def lose(self, session_id: str, owner: dict) -> None:
         """Another worker owns the session now: it goes from this worker (`on_lost`)."""
@@ -307,6 +427,10 @@ class EventLog:
             for record in raw or ():
                 self.writer.mirror(pipe, record.get("n") or pipe.next_n, record.get("rid") or _rid(), record)
                 pipe.next_n = max(pipe.next_n, (record.get("n") or 0) + 1)
+                if record.get("kind") == "checkpoint":  # the blob the next checkpoint supersedes
+                    pipe.checkpoint_blob, pipe.since_checkpoint = record.get("blob"), 0
+                else:
+                    pipe.since_checkpoint += 1
         return pipe
 
     def forget(self, session_id: str) -> None:

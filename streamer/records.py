@@ -136,13 +136,20 @@ class Frame(Append):
 
 
 async def load_blobs(records: list[Record], store) -> None:
-    """Fetch the frames that `frame` records name from the store (missing ones stay None)."""
+    """Fetch the frames that `frame` records name, and the tensors of a `checkpoint`, from the
+    store (missing ones stay None)."""
+    from streamer.sessions.checkpoint import unpack
     from streamer.sessions.multimodal import blob_frame
 
     for record in records:
-        if isinstance(record, Frame) and store is not None:
+        if store is None:
+            return
+        if isinstance(record, Frame):
             blob = await store.get_blob(record.blob)
             record.image = blob_frame(blob) if blob is not None else None
+        elif isinstance(record, Checkpoint):
+            blob = await store.get_blob(record.blob)
+            record.tensors = unpack(blob, record.blob) if blob is not None else None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -218,6 +225,39 @@ class Close(Record):
 
 
 @dataclass(slots=True, kw_only=True)
+class Checkpoint(Record):
+    """What the session's window held after the record before it (sessions/checkpoint.py):
+    `state` (inputs with seqs, tokens and positions, clocks, window, thinking notes, flash
+    questions and their answers) and `blob`, the content address of its K/V (every layer),
+    thinking cache and last logits. Replay starts from the last one (streamer.recovery), and
+    the log before it is compacted away (Store.compact). `client_seq`: the highest client seq
+    the log held then (dedup of resends)."""
+
+    kind: ClassVar[str] = "checkpoint"
+    state: dict
+    blob: str
+    client_seq: int | None = None
+    tensors: Any = None  # not logged: the blob's tensors, set by `load_blobs`
+
+    def to_json(self) -> dict[str, Any]:
+        out = Record.to_json(self)
+        out.pop("tensors", None)
+        return out
+
+    def apply(self, engine, session_id: str, then_=None) -> Future:
+        from streamer.sessions.checkpoint import restore
+
+        if self.tensors is None:
+            raise ReplayError(f"record {self.n}: checkpoint blob {self.blob[:16]} is not in the store")
+        return engine.call(lambda: restore(engine.core, session_id, self.state, self.tensors), then_,
+                           session_id=session_id)
+
+    def check(self, result: Any) -> None:
+        if result["last_seq"] != (self.state["chunks"][-1]["seq"] if self.state["chunks"] else 0):
+            raise ReplayError(f"record {self.n} (checkpoint) restored to last seq {result['last_seq']}")
+
+
+@dataclass(slots=True, kw_only=True)
 class Void(Record):
     """Fences a position whose write failed and was never applied (streamer.eventlog): a write
     that timed out and lands later finds the position taken. Replays as nothing."""
@@ -234,7 +274,7 @@ class Void(Record):
 
 
 KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (Create, Append, Revise, Frame, End, FlashRegister,
-                                                            FlashUnregister, Update, Close, Void)}
+                                                            FlashUnregister, Update, Close, Checkpoint, Void)}
 
 
 def then(first: Future, make_second, done: Callable[[Future], None] | None = None) -> Future:
@@ -264,5 +304,6 @@ def then(first: Future, make_second, done: Callable[[Future], None] | None = Non
 
 
 def client_seq_of(records: list[Record]) -> int:
-    """The highest client seq the log holds (0: none): the client resends what is above it."""
+    """The highest client seq the log holds (0: none), a checkpoint's included: the client
+    resends what is above it."""
     return max((getattr(r, "client_seq", None) or 0 for r in records), default=0)

@@ -10,6 +10,10 @@ checked against the logged one where the log has it (inputs logged before they w
 have none; one the engine refused then is refused again and skipped; `void` records, and the
 records they cancel, replay as nothing: see `applied` and streamer.eventlog).
 
+Checkpoints (sessions/checkpoint.py, `checkpoint` records) bound the work: replay runs the
+creation, restores the last checkpoint (the window's inputs, clocks, notes, flash answers and
+its K/V from a blob) and replays only the records after it, so recovery costs a window.
+
 Not replayed: action rules and running action policies (they are not logged; a client that
 resumes re-sends them), reasoning written by `interleaved` thinking (it is regenerated, so the
 reading cache of an interleaved session matches only if the reasoning does).
@@ -41,6 +45,20 @@ def applied(raw: list[dict]) -> list[dict]:
     return [r for r in raw if r.get("kind") != "void" and r.get("rid") not in voided]
 
 
+def from_checkpoint(raw: list[dict]) -> list[dict]:
+    """What replay runs: the creation, then the last checkpoint and what follows it (a log not
+    compacted yet may still hold the records before that checkpoint: they are skipped)."""
+    last = max((i for i, r in enumerate(raw) if r.get("kind") == "checkpoint"), default=None)
+    if last is None or not raw:
+        return raw
+    return [raw[0], *raw[last:]] if raw[0].get("kind") == "create" else raw[last:]
+
+
+def blobs_of(raw: list[dict]) -> set[str]:
+    """The blobs the records name (frames and checkpoints)."""
+    return {r["blob"] for r in raw if isinstance(r.get("blob"), str)}
+
+
 def parse(raw: list[dict]) -> list[Record]:
     """The stored JSON records as typed records (ReplayError on an unknown or malformed one)."""
     return [Record.from_json(r) for r in raw]
@@ -49,7 +67,7 @@ def parse(raw: list[dict]) -> list[Record]:
 async def replay(engine, session_id: str, raw: list[dict], store=None) -> dict:
     """Re-create `session_id` on `engine` from its log; resolves to the session's state. Video
     frames come back from their blobs in `store`."""
-    records = parse(applied(raw))
+    records = parse(from_checkpoint(applied(raw)))
     await load_blobs(records, store)
     if not records or not isinstance(records[0], Create):
         raise ReplayError(f"the log of session {session_id} does not start with its creation")
@@ -67,3 +85,12 @@ async def replay(engine, session_id: str, raw: list[dict], store=None) -> dict:
     state = await asyncio.wrap_future(engine.session_state(session_id))
     log.info("session %s replayed from %d log records (%d tokens)", session_id, len(records), state["tokens"])
     return state
+
+
+async def restore(engine, store, session_id: str) -> dict:
+    """Re-create `session_id` on `engine` from what `store` holds: its creation, its last
+    checkpoint and the records after it (the entry point for recovery, adoption and handoff;
+    ownership and tokens are the caller's). Resolves to {state, records, raw}."""
+    raw = await store.read_log(session_id)
+    state = await replay(engine, session_id, raw, store)
+    return {"state": state, "records": len(from_checkpoint(applied(raw))), "raw": raw}

@@ -8,6 +8,17 @@ Keys (all under `prefix`, default `streamer`):
 - `{p}:worker:{wid}` String with a TTL of WORKER_TTL_S; the worker's URL (its heartbeat)
 - `{p}:snap:{sid}`   String; the session's latest snapshot (JSON)
 - `{p}:sessions`     Sorted set; session id scored by its snapshot's time (the dashboard list)
+- `{p}:blob:{d}`     String; a blob (base64), content-addressed by its sha256 `d`: it expires
+                     `retention_s` after its put unless a log names it (then it is persisted)
+- `{p}:refs:{sid}`   Set; the blobs the session's log names
+- `{p}:users:{d}`    Set; the sessions whose logs name blob d. Compaction (a checkpoint) and a
+                     close let go of a session's blobs: one no session names any more expires
+                     after the retention time (an earlier checkpoint's K/V at once)
+
+A log is compacted at each checkpoint (`compact`, one script): positions 2 .. checkpoint-1 go,
+the rest keep their positions (the stream's ids), so the last position is the last entry's id,
+not the stream's length. The scripts build blob key names from the prefix (one Redis, not a
+Redis Cluster).
 
 Appends and claims are Lua scripts, so they are atomic: an append succeeds only while this
 worker owns the session (a worker that was presumed dead and came back cannot write into a
@@ -51,7 +62,9 @@ if not owner then
   return {-1}
 end
 if owner ~= ARGV[2] then return {-1} end
-local len = redis.call('XLEN', KEYS[1])
+local len = 0
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last > 0 then len = tonumber(string.match(last[1][1], '-(%d+)$')) end
 local n = tonumber(ARGV[3])
 if n == 0 then n = len + 1 end
 if n <= len then
@@ -64,9 +77,65 @@ if n <= len then
   if holder ~= '' and holder == ARGV[4] then return {n} end
   return {-2, holder}
 end
-if n > len + 1 then return {-3, len} end
+if n > len + 1 and ARGV[7] ~= '1' then return {-3, len} end
 redis.call('XADD', KEYS[1], '0-' .. n, 'n', n, 'r', ARGV[1], 'i', ARGV[4])
+if ARGV[5] ~= '' then
+  redis.call('SADD', KEYS[3], ARGV[5])
+  redis.call('SADD', KEYS[4], ARGV[6])
+  redis.call('PERSIST', KEYS[5])
+end
 return {n}
+"""
+
+# Compaction: drop positions 2 .. upto-1 (the creation stays, replay starts at the checkpoint at
+# `upto`), then let go of the blobs the session no longer names (ARGV[5..]: those it still
+# names): a blob no session names any more expires after the retention time (ARGV[4]);
+# `superseded` ones (earlier checkpoints' K/V, ARGV[3], comma separated) go now.
+_COMPACT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local upto = tonumber(ARGV[2])
+local dropped = 0
+while upto > 2 do
+  local batch = redis.call('XRANGE', KEYS[1], '0-2', '0-' .. (upto - 1), 'COUNT', 512)
+  if #batch == 0 then break end
+  local ids = {}
+  for i, e in ipairs(batch) do ids[i] = e[1] end
+  dropped = dropped + redis.call('XDEL', KEYS[1], unpack(ids))
+end
+local keep = {}
+for i = 7, #ARGV do keep[ARGV[i]] = true end
+local gone = {}
+for d in string.gmatch(ARGV[3], '[^,]+') do gone[d] = true end
+for _, d in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  if not keep[d] then
+    redis.call('SREM', KEYS[3], d)
+    local users = ARGV[6] .. 'users:' .. d
+    redis.call('SREM', users, ARGV[5])
+    if redis.call('SCARD', users) == 0 then
+      if gone[d] then redis.call('DEL', ARGV[6] .. 'blob:' .. d)
+      else redis.call('EXPIRE', ARGV[6] .. 'blob:' .. d, tonumber(ARGV[4])) end
+    end
+  end
+end
+return dropped
+"""
+
+# A blob some log names stays without a TTL when it is put again.
+_PUT_BLOB = """
+if redis.call('SCARD', KEYS[2]) > 0 then redis.call('SET', KEYS[1], ARGV[1]) return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
+return 0
+"""
+
+# A closed session's blobs: each one no other session names expires with the log (ARGV[1] s).
+_RELEASE_BLOBS = """
+for _, d in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local users = ARGV[3] .. 'users:' .. d
+  redis.call('SREM', users, ARGV[2])
+  if redis.call('SCARD', users) == 0 then redis.call('EXPIRE', ARGV[3] .. 'blob:' .. d, tonumber(ARGV[1])) end
+end
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+return 0
 """
 
 _CLAIM = """
@@ -145,6 +214,9 @@ class RedisStore(Store):
         self.redis = redis.Redis.from_url(url, decode_responses=True, **options)
         self._append = self.redis.register_script(_APPEND)
         self._claim = self.redis.register_script(_CLAIM)
+        self._compact = self.redis.register_script(_COMPACT)
+        self._put_blob = self.redis.register_script(_PUT_BLOB)
+        self._release_blobs = self.redis.register_script(_RELEASE_BLOBS)
         self._locks: dict[str, asyncio.Lock] = {}
         self._closed = False
         self._beaten = False  # a heartbeat has been written (a later one that finds none: forgotten)
@@ -193,7 +265,8 @@ class RedisStore(Store):
     async def put_blob(self, digest: str, data: bytes) -> None:
         _check_digest(digest)
         text = base64.b64encode(data).decode()
-        await self._do(self.redis.set(self.key("blob", digest), text, ex=max(1, int(self.retention_s))))
+        await self._do(self._put_blob(keys=[self.key("blob", digest), self.key("users", digest)],
+                                      args=[text, max(1, int(self.retention_s))]))
 
     async def get_blob(self, digest: str) -> bytes | None:
         _check_digest(digest)
@@ -208,8 +281,14 @@ class RedisStore(Store):
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         async with lock:
             data = json.dumps({**record, "session_id": session_id}, ensure_ascii=False, separators=(",", ":"))
-            out = await self._do(self._append(keys=[self.key("log", session_id), self.key("owner", session_id)],
-                                              args=[data, self.worker_id, n or 0, rid or ""]))
+            blob = record.get("blob") if isinstance(record.get("blob"), str) else ""
+            if blob:
+                _check_digest(blob)
+            out = await self._do(self._append(
+                keys=[self.key("log", session_id), self.key("owner", session_id), self.key("refs", session_id),
+                      self.key("users", blob), self.key("blob", blob)],
+                args=[data, self.worker_id, n or 0, rid or "", blob, session_id,
+                      "1" if record.get("kind") == "checkpoint" else ""]))
         code = int(out[0])
         if code == -1:
             raise NotOwner(f"worker {self.worker_id} no longer owns session {session_id}")
@@ -229,7 +308,24 @@ class RedisStore(Store):
             raise StoreError(f"Redis at {self.url}: {exc}") from None
 
     async def log_length(self, session_id: str) -> int:
-        return await self._do(self.redis.xlen(self.key("log", session_id)))
+        """The position of the last record (0: no log); a compacted log holds fewer."""
+        last = await self._do(self.redis.xrevrange(self.key("log", session_id), count=1))
+        return int(last[0][0].split("-")[1]) if last else 0
+
+    async def compact(self, session_id: str, upto: int, superseded: tuple[str, ...] = ()) -> int:
+        """Drop positions 2 .. upto-1 atomically (one script, only while this worker owns the
+        session); blobs the kept records no longer name are let go (see `_COMPACT`)."""
+        kept = await self.read_log(session_id)
+        named = sorted({r["blob"] for r in kept if (r["n"] == 1 or r["n"] >= upto) and isinstance(r.get("blob"), str)})
+        for digest in superseded:
+            _check_digest(digest)
+        out = await self._do(self._compact(
+            keys=[self.key("log", session_id), self.key("owner", session_id), self.key("refs", session_id)],
+            args=[self.worker_id, upto, ",".join(superseded), max(1, int(self.retention_s)), session_id,
+                  self.key(""), *named]))
+        if int(out) < 0:
+            raise NotOwner(f"worker {self.worker_id} no longer owns session {session_id}")
+        return int(out)
 
     @staticmethod
     def _record(fields: dict) -> dict:
@@ -252,6 +348,7 @@ class RedisStore(Store):
         for kind in ("log", "snap", "owner"):
             pipe.expire(self.key(kind, session_id), ttl)
         await self._do(pipe.execute())
+        await self._do(self._release_blobs(keys=[self.key("refs", session_id)], args=[ttl, session_id, self.key("")]))
         self._locks.pop(session_id, None)
 
     # ---- directory ------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from streamer.sessions.engine import Engine
 from .auth import ALL_SESSIONS, NO_SESSIONS, ApiKeys, key_from_request
 from .connection import Connection, ConnectionGate, LenientConnection, MessageBudget
 from .directory import Directory
-from .eventlog import DEFAULT_RELOG_MAX_BYTES, EventLog
+from .eventlog import (DEFAULT_CHECKPOINT_MIN_RECORDS, DEFAULT_CHECKPOINT_RECORDS, DEFAULT_RELOG_MAX_BYTES,
+                       EventLog)
 from .handlers import Peer, Services
 from .media import MediaConfig, MediaHub
 from .metrics import EDGE_COUNTERS
@@ -109,6 +110,10 @@ class ServerConfig:
     max_detached_per_client: int = 8
     max_detached: int = 128
     relog_max_bytes: int = DEFAULT_RELOG_MAX_BYTES  # per session: the log copy kept to re-write a lost store
+    # checkpoints (streamer.eventlog.Checkpointer): at least every N records, and after a window
+    # slide once checkpoint_min_records passed; the log before one is compacted. 0: none
+    checkpoint_records: int = DEFAULT_CHECKPOINT_RECORDS
+    checkpoint_min_records: int = DEFAULT_CHECKPOINT_MIN_RECORDS
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S  # at most one snapshot per session per interval
     worker_id: str | None = None  # default: a random id per process
     public_url: str | None = None  # how clients reach this worker (sent in `moved`); default ws://host:port
@@ -129,7 +134,8 @@ class StreamerServer:
         self._stopped = False
         self.store = open_store(cfg.store_url, cfg.worker_id)
         self.directory = Directory(cfg.api_keys.enabled, cfg.sessions_per_key)
-        self.events = EventLog(self.store, self.directory, cfg.relog_max_bytes)
+        self.events = EventLog(self.store, self.directory, cfg.relog_max_bytes, engine, cfg.checkpoint_records,
+                               cfg.checkpoint_min_records)
         self.snapshots = Snapshots(engine, self.store, self.directory, self.push_snapshot, cfg.snapshot_interval_s)
         self.resumer = Resumer(engine, self.store, self.directory, self.events, self.snapshots, cfg.detach_ttl_s,
                                on_close=self._closed, max_detached=cfg.max_detached,

@@ -15,14 +15,20 @@ process), `FileStore` (the embedded default of `streamer serve`: one append-only
 file per session under a directory; survives kill -9 and restarts of a single worker) and
 `RedisStore` (streamer.redis_store: Redis Streams, hashes and keys shared by many workers).
 
-Retention: a live session's log is never trimmed (replay needs all of it; the context window
-bounds what it holds). When a session closes its log, snapshot and entry are kept for
-`retention_s` (default one day) and then removed.
+Compaction and retention: a live session's log is compacted at each checkpoint
+(`compact`): the records between its creation and the checkpoint go (replay starts from the
+checkpoint, streamer.recovery), so the log holds its creation plus the records since the last
+checkpoint; positions `n` keep their values (a compacted log has a gap after record 1). A
+blob (a frame, a checkpoint's K/V) that a log still names never expires; one no log names any
+more expires `retention_s` after its last put. When a session closes its log, snapshot and
+entry are kept for `retention_s` (default one day) and then removed, and so are the blobs
+only it named.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 import os
@@ -121,24 +127,54 @@ class Store:
         position n already holds the record `rid`, it returns n and writes nothing; when it holds
         another record, or the log is shorter than n - 1, it raises Conflict."""
         log = self._logs.setdefault(session_id, [])
+        last = log[-1]["n"] if log else 0
         if n is not None:
-            _check_position(session_id, n, rid, len(log), lambda: log[n - 1].get("rid"))
-            if n <= len(log):
+            _check_position(session_id, n, rid, last, lambda: (_at(log, n) or {}).get("rid"), _gap_ok(record))
+            if n <= last:
                 return n
-        record = {**record, "n": len(log) + 1, **({"rid": rid} if rid else {})}
+        record = {**record, "n": max(n or 0, last + 1), **({"rid": rid} if rid else {})}
         log.append(record)
         return record["n"]
 
     async def record_at(self, session_id: str, n: int) -> dict | None:
         """The record at position n (with its `rid`), or None."""
-        log = await self.read_log(session_id)
-        return log[n - 1] if 0 < n <= len(log) else None
+        return _at(await self.read_log(session_id), n)
 
     async def read_log(self, session_id: str) -> list[dict]:
         return list(self._logs.get(session_id, ()))
 
     async def log_length(self, session_id: str) -> int:
-        return len(self._logs.get(session_id, ()))
+        """The position of the log's last record (0: no log); a compacted log holds fewer."""
+        log = self._logs.get(session_id)
+        return log[-1]["n"] if log else 0
+
+    async def compact(self, session_id: str, upto: int, superseded: tuple[str, ...] = ()) -> int:
+        """Drop the records after the creation (position 1) and before position `upto` (a
+        checkpoint: replay starts there); returns how many went. Blobs only they named expire
+        after the retention time from then on; `superseded` (earlier checkpoints' K/V, which
+        only this session names) go now unless a kept record names them."""
+        log = self._logs.get(session_id, [])
+        keep = [r for r in log if r["n"] == 1 or r["n"] >= upto]
+        self._logs[session_id] = keep
+        named = {r.get("blob") for r in keep}
+        for digest in superseded:
+            if digest not in named:
+                self._blobs.pop(digest, None)
+        self._expire_blobs()
+        return len(log) - len(keep)
+
+    def expire(self) -> None:
+        """Remove what outlived the retention time now (also done at each close and blob put)."""
+        self._expire()
+
+    def referenced(self) -> set[str]:
+        """The blobs some kept log names (they never expire)."""
+        return {r["blob"] for log in self._logs.values() for r in log if isinstance(r.get("blob"), str)}
+
+    def _expire_blobs(self) -> None:
+        cutoff, live = time.time() - self.retention_s, self.referenced()
+        for key in [k for k, (_, t) in self._blobs.items() if t <= cutoff and k not in live]:
+            del self._blobs[key]
 
     async def closed(self, session_id: str) -> None:
         """The session closed: its data expire after the retention time."""
@@ -152,6 +188,7 @@ class Store:
             self._closed_at.pop(sid)
             self._logs.pop(sid, None)
             self._snapshots.pop(sid, None)
+        self._expire_blobs()
 
     # ---- blobs (media inputs, content-addressed) -------------------------------------------
 
@@ -160,9 +197,7 @@ class Store:
         (from its last put). Durable on return, like `append`: log it before the record naming it."""
         _check_digest(digest)
         self._blobs[digest] = (data, time.time())
-        cutoff = time.time() - self.retention_s
-        for key in [k for k, (_, t) in self._blobs.items() if t <= cutoff]:
-            del self._blobs[key]
+        self._expire_blobs()
 
     async def get_blob(self, digest: str) -> bytes | None:
         _check_digest(digest)
@@ -270,15 +305,16 @@ class FileStore(Store):
         try:
             f = self._files.get(session_id)
             if f is None:
-                count = len(await self.read_log(session_id))
+                log = await self.read_log(session_id)
+                count = log[-1]["n"] if log else 0
                 f = self._files[session_id] = open(self._path(session_id), "a", encoding="utf-8")
                 self._counts[session_id] = count
             count = self._counts[session_id]
             if n is not None:
-                _check_position(session_id, n, rid, count, lambda: self._rid_at(session_id, n))
+                _check_position(session_id, n, rid, count, lambda: self._rid_at(session_id, n), _gap_ok(record))
                 if n <= count:
                     return n
-            n = count + 1
+            n = max(n or 0, count + 1)
             line = json.dumps({**record, "n": n, "session_id": session_id, **({"rid": rid} if rid else {})},
                               ensure_ascii=False, separators=(",", ":"))
             start = f.tell()
@@ -302,15 +338,52 @@ class FileStore(Store):
         return n
 
     def _rid_at(self, session_id: str, n: int) -> str | None:
-        for i, line in enumerate(self._path(session_id).read_text(encoding="utf-8").splitlines(), 1):
-            if i == n:
-                return json.loads(line).get("rid")
+        for line in self._path(session_id).read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if record.get("n") == n:
+                return record.get("rid")
         return None
 
     async def log_length(self, session_id: str) -> int:
         if session_id in self._counts:
             return self._counts[session_id]
-        return len(await self.read_log(session_id))
+        log = await self.read_log(session_id)
+        return log[-1]["n"] if log else 0
+
+    async def compact(self, session_id: str, upto: int, superseded: tuple[str, ...] = ()) -> int:
+        """Re-write the log without the records between its creation and position `upto`: the
+        kept lines go to a temporary file that is renamed over the log (a crash leaves the old
+        log or the new one, never half of one); appends go on in the new file."""
+        path = self._path(session_id)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            kept = []
+            for line in lines:
+                try:
+                    n = json.loads(line)["n"]
+                except (ValueError, KeyError):  # a torn last line: never acknowledged
+                    break
+                if n == 1 or n >= upto:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "w", encoding="utf-8") as out:
+                out.writelines(kept)
+                out.flush()
+                if self.fsync:
+                    os.fsync(out.fileno())
+            f = self._files.pop(session_id, None)
+            if f is not None:
+                f.close()
+            os.replace(tmp, path)
+            self._files[session_id] = open(path, "a", encoding="utf-8")
+            named = {json.loads(line).get("blob") for line in kept}
+            for digest in superseded:
+                if digest not in named:
+                    _check_digest(digest)
+                    (self.root / "blobs" / digest).unlink(missing_ok=True)
+        except OSError as exc:
+            raise StoreError(f"compacting the log of session {session_id}: {exc}") from None
+        return len(lines) - len(kept)
 
     async def read_log(self, session_id: str) -> list[dict]:
         path = self._path(session_id)
@@ -337,20 +410,26 @@ class FileStore(Store):
 
     def _expire_files(self) -> None:
         """Remove logs whose last record is a close older than the retention time."""
-        cutoff = time.time() - self.retention_s
+        cutoff, live = time.time() - self.retention_s, set()
         for path in (self.root / "logs").glob("*.jsonl"):
-            if path.stat().st_mtime > cutoff:
+            records = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    break
+            last = records[-1] if records else None
+            if path.stat().st_mtime <= cutoff and last is not None and last.get("kind") == "close":
+                path.unlink(missing_ok=True)
                 continue
-            lines = path.read_text(encoding="utf-8").splitlines()
-            try:
-                last = json.loads(lines[-1]) if lines else None
-            except ValueError:
-                last = None
-            if last is not None and last.get("kind") == "close":
+            live.update(r["blob"] for r in records if isinstance(r.get("blob"), str))
+        for path in (self.root / "blobs").glob("*"):  # blobs no kept log names, not put again within the retention
+            if path.name not in live and path.stat().st_mtime <= cutoff:
                 path.unlink(missing_ok=True)
-        for path in (self.root / "blobs").glob("*"):  # media blobs not put again within the retention time
-            if path.stat().st_mtime <= cutoff:
-                path.unlink(missing_ok=True)
+
+    def expire(self) -> None:
+        """Remove what outlived the retention time now (also done at start and at each close)."""
+        self._expire_files()
 
     async def flush(self) -> None:
         for f in self._files.values():
@@ -373,15 +452,27 @@ def _check_digest(digest: str) -> None:
         raise StoreError(f"blob address {digest[:80]!r} is not a hex sha256")
 
 
-def _check_position(session_id: str, n: int, rid: str | None, length: int, rid_at) -> None:
-    """Idempotent writes by (session, n): raise Conflict unless position n is free and next, or
-    already holds record `rid`."""
-    if n > length + 1:
+def _gap_ok(record: dict) -> bool:
+    """A checkpoint may follow a gap: a compacted log re-written after the store lost it holds
+    its creation, then the last checkpoint and what came after it."""
+    return record.get("kind") == "checkpoint"
+
+
+def _check_position(session_id: str, n: int, rid: str | None, length: int, rid_at, gap_ok: bool = False) -> None:
+    """Idempotent writes by (session, n): raise Conflict unless position n is free and next (or
+    past a gap, for a checkpoint), or already holds record `rid`."""
+    if n > length + 1 and not gap_ok:
         raise LogGap(f"log of session {session_id} has {length} records; cannot write position {n}")
     if n <= length:
         holder = rid_at()
         if rid is None or holder != rid:
             raise Conflict(f"position {n} of the log of session {session_id} holds record {holder}", holder)
+
+
+def _at(log: list[dict], n: int) -> dict | None:
+    """The record at position n of a log in position order (it may have gaps: compacted)."""
+    i = bisect.bisect_left(log, n, key=lambda r: r["n"])
+    return log[i] if i < len(log) and log[i]["n"] == n else None
 
 
 def _short_hash(text: str) -> str:

@@ -37,8 +37,10 @@ def test_a_slid_session_replays_to_the_same_cache_and_answers(tiny_engine, tmp_p
 
     store_dir = tmp_path / "state"
     sid, answer, kv, evicted = serve(tiny_engine, run, store_url=str(store_dir))
-    records = asyncio.run(FileStore(store_dir).read_log(sid))
-    state = asyncio.run(replay(tiny_engine, "replayed", [{**r, "session_id": "replayed"} for r in records]))
+    store = FileStore(store_dir)
+    records = asyncio.run(store.read_log(sid))
+    # the log starts from a checkpoint (taken after a slide): its K/V blob is in the store
+    state = asyncio.run(replay(tiny_engine, "replayed", [{**r, "session_id": "replayed"} for r in records], store))
     replayed = tiny_engine.sessions["replayed"]
     # inputs are logged before they are applied; replay evicts the same inputs at the same turns
     assert state["last_seq"] == len(ROWS) and state["window"]["dropped_inputs"] == len(evicted)
