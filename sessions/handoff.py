@@ -44,7 +44,7 @@ PREFIX_ATOL = 1e-4  # the importer's framing prefix against the exporter's (fp32
 # Session attributes carried (besides the caches and logits, which travel as tensors).
 SESSION_FIELDS = ("chunks", "data_version", "next_seq", "position_offset", "frames", "media_s", "ended",
                   "created_at", "last_input_at", "queries_answered", "crop_epoch", "flash", "next_flash_id",
-                  "thinking", "window", "segments", "version_times")
+                  "thinking", "window", "segments", "version_times", "idle_turn")
 
 # Fields that hold `time.monotonic()` readings: each process has its own clock, so they travel
 # as an age and come back against the importer's clock.
