@@ -113,6 +113,7 @@ class Services:
     mqtt: Any = None
     edge: dict = field(default_factory=dict)  # edge counters for /metrics
     query_ids: Any = field(default_factory=lambda: itertools.count(1))
+    quotas: Any = None  # streamer.quotas.ClusterQuota: per-key caps over every worker of the store
 
     def operator(self, peer: Peer) -> bool:
         """Whether the peer may list every session and watch any of them read-only: an operator
@@ -182,6 +183,8 @@ async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: 
                     flash=[FlashRegister.of(a, q).arguments() for a, q in zip(flash, state["flash"])],
                     tokens=directory.tokens.export(sid), key=key_name)
     try:
+        if key_name is not None and svc.quotas is not None:
+            await svc.quotas.admit(key_name, sid)  # the cap over every worker (Redis), not just this one
         await svc.events.created(sid, record)
     except BaseException:
         peer.stop_producing(svc.engine, sid)

@@ -41,6 +41,7 @@ from .metrics import EDGE_COUNTERS
 from .metrics import render as render_metrics
 from .protocol import ProtocolLimits
 from .realtime import RealtimeConnection, is_realtime
+from .quotas import ClusterQuota
 from .resume import DEFAULT_DETACH_TTL_S, Resumer
 from .snapshots import DEFAULT_SNAPSHOT_INTERVAL_S, Snapshots
 from .store import heartbeat_loop, open_store
@@ -139,6 +140,7 @@ class StreamerServer:
         self.handoffs = self.resumer.handoffs
         self.services = Services(engine, cfg, self.directory, self.events, self.resumer, self.snapshots, self.store,
                                  self.take_over, edge=self.edge)
+        self.quotas = self.services.quotas = ClusterQuota(self.store, cfg.sessions_per_key)
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
         self._server: Server | None = None
         self._tasks: list[asyncio.Task] = []
@@ -167,7 +169,7 @@ class StreamerServer:
         await self.store.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(heartbeat_loop(self.store, on_forgotten=self.events.store_restarted)),
-                       loop.create_task(self.snapshots.run())]
+                       loop.create_task(self.snapshots.run()), loop.create_task(self.quotas.run(self.directory))]
         if self.mqtt is not None:
             self.mqtt.announce(self.store.worker_url)
         log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,
@@ -295,6 +297,7 @@ class StreamerServer:
     def _closed(self, session_id: str, reason: str) -> None:
         """A session closed here: its subscribers get `session.closed` with the reason (`closed`,
         `detached`, `expired`, `evicted`) and stop watching it; MQTT stops publishing it."""
+        self.quotas.forget(self.directory.key_of(session_id), session_id)
         if self.mqtt is not None:
             self.mqtt.detach(session_id)
         for conn in list(self.connections):
