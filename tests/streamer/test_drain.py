@@ -139,5 +139,36 @@ def test_draining_refuses_new_sessions_and_answers_503(tmp_path, tiny_engine):
             assert await store.owner(sid) is None  # released: the next worker may claim it
         finally:
             await server.stop()
+        return created
 
-    asyncio.run(run())
+    created = asyncio.run(run())
+    resumed, handoffs = asyncio.run(resume_on(other_model(tiny_engine), tmp_path, created))
+    # the blob is for the weights it was made with: this worker replays the log instead
+    assert resumed["type"] == "session.resumed", resumed
+    assert resumed["reprefill_tokens"] > 0 and resumed["session"]["inputs"] == 3
+    assert handoffs["handoff_fallbacks"] == 1 and handoffs["handoffs_imported"] == 0
+
+
+def other_model(tiny_engine):
+    """An engine on the same tiny architecture and model name with other weights (as after an
+    upgrade that changed the weights under the same name): the blob's prefix check refuses it."""
+    from streamer.sessions.engine import Engine, EngineLimits
+    from streamer.sessions.models import build_tiny_model
+    from streamer.sessions.runner import ModelRunner
+
+    tokenizer = tiny_engine.runner.tokenizer
+    lm = build_tiny_model(tokenizer, seed=8)
+    runner = ModelRunner(lm.model, tokenizer, tiny_engine.runner.name)
+    return Engine(runner, EngineLimits(max_context_tokens=400)).start()
+
+
+async def resume_on(engine, tmp_path, created):
+    server = await StreamerServer(engine, ServerConfig(port=0, store_url=f"file://{tmp_path}")).start()
+    try:
+        peer = await raw(f"ws://127.0.0.1:{server.port}")
+        resumed = await peer.request({"type": "session.resume", "session_id": created["session_id"],
+                                      "token": created["tokens"]["producer"]})
+        return resumed, dict(server.handoffs)
+    finally:
+        await server.stop()
+        engine.stop()
