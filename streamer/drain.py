@@ -14,7 +14,7 @@ The drain, within the server's grace period (`shutdown_grace_s`):
    (`finish_reason: "shutdown"`), as in a plain shutdown.
 4. Each session, once its engine work is done, is exported (sessions.handoff) and closed here in
    one engine command, so nothing reaches it after its blob was made. The blob goes into the
-   store's blobs (kept for the retention time) at an address derived from the session id and
+   store's blobs (deleted once used, else kept for the retention time) at an address derived from the session id and
    the log's end at export (its record count and last record: `handoff_address`), and the
    session is released in the store's directory, with no `close` in its log.
 5. The connections close (1001) and the server stops.
@@ -159,8 +159,9 @@ async def adopt(engine, store, session_id: str, raw: list[dict], create, counter
     """Import the session's handoff blob if there is one for the log's end `raw`: create the
     session as its `create` record says, then import. Returns its state, or None (no blob, or
     one that does not fit: the caller replays the log)."""
+    address = handoff_address(session_id, raw)
     try:
-        blob = await store.get_blob(handoff_address(session_id, raw))
+        blob = await store.get_blob(address)
     except Exception as exc:  # the replay reads the same store: it says whether it answers
         return _fallback(counters, session_id, f"reading the blob: {exc}")
     if blob is None:
@@ -171,10 +172,19 @@ async def adopt(engine, store, session_id: str, raw: list[dict], create, counter
             engine.call(lambda: import_session(engine.core, session_id, blob), session_id=session_id))
     except Exception as exc:
         await asyncio.wrap_future(engine.close_session(session_id))
+        await _delete(store, address)
         return _fallback(counters, session_id, str(exc))
+    await _delete(store, address)  # used: a blob is as large as the session's cache
     counters["handoffs_imported"] += 1
     log.info("session %s adopted from its handoff blob (%d bytes, no input read again)", session_id, len(blob))
     return state
+
+
+async def _delete(store, address: str) -> None:
+    try:
+        await store.delete_blob(address)
+    except Exception as exc:  # it expires with the store's retention time anyway
+        log.warning("deleting a used handoff blob: %s", exc)
 
 
 def _fallback(counters: dict, session_id: str, why: str) -> None:

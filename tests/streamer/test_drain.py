@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed
 
 from streamer.drain import drain, handoff_address
 from streamer.server import ServerConfig, StreamerServer
-from streamer.store import open_store
+from streamer.store import FileStore, open_store
 
 pytestmark = pytest.mark.embedded
 
@@ -147,6 +147,8 @@ def test_draining_refuses_new_sessions_and_answers_503(tmp_path, tiny_engine):
     assert resumed["type"] == "session.resumed", resumed
     assert resumed["reprefill_tokens"] > 0 and resumed["session"]["inputs"] == 3
     assert handoffs["handoff_fallbacks"] == 1 and handoffs["handoffs_imported"] == 0
+    raw_log = asyncio.run(FileStore(tmp_path).read_log(created["session_id"]))
+    assert not list((tmp_path / "blobs").iterdir()) and raw_log[-1]["kind"] == "append"  # no blob left
 
 
 def other_model(tiny_engine):
