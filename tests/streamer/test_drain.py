@@ -93,10 +93,12 @@ def test_sigterm_hands_the_session_to_the_other_worker_with_its_kv(redis_url):
             metrics = urllib.request.urlopen(b.url.replace("ws://", "http://") + "/metrics", timeout=10).read().decode()
             store = await open_store(redis_url, worker_id="reader").start()
             owner = await store.owner(sid)
+            blobs = [k async for k in store.redis.scan_iter(store.key("blob", "*"))]
             await store.redis.aclose()
-            return got, want, metrics, owner
+            return got, want, metrics, owner, blobs
 
-    got, want, metrics, owner = asyncio.run(run())
+    got, want, metrics, owner, blobs = asyncio.run(run())
+    assert blobs == []  # the handoff blob was deleted once imported
     assert got == want
     assert "streamer_handoffs_imported_total 1" in metrics and "streamer_handoff_fallbacks_total 0" in metrics
     assert owner["worker"] == "wb"
