@@ -181,8 +181,15 @@ async def adopt(engine, store, session_id: str, raw: list[dict], create, counter
 
 
 async def _delete(store, address: str) -> None:
+    """Drop a used handoff blob (the store interface has no deletion: media blobs are never
+    deleted, they expire; this reaches the three stores' blob places directly)."""
     try:
-        await store.delete_blob(address)
+        if store.kind == "redis":
+            await store._do(store.redis.delete(store.key("blob", address)))
+        elif store.kind == "file":
+            (store.root / "blobs" / address).unlink(missing_ok=True)
+        else:
+            store._blobs.pop(address, None)
     except Exception as exc:  # it expires with the store's retention time anyway
         log.warning("deleting a used handoff blob: %s", exc)
 

@@ -200,10 +200,6 @@ class RedisStore(Store):
         text = await self._do(self.redis.get(self.key("blob", digest)))
         return base64.b64decode(text) if text is not None else None
 
-    async def delete_blob(self, digest: str) -> None:
-        _check_digest(digest)
-        await self._do(self.redis.delete(self.key("blob", digest)))
-
     # ---- event log ------------------------------------------------------------------------
 
     async def append(self, session_id: str, record: dict, n: int | None = None, rid: str | None = None) -> int:

@@ -169,12 +169,6 @@ class Store:
         entry = self._blobs.get(digest)
         return entry[0] if entry is not None else None
 
-    async def delete_blob(self, digest: str) -> None:
-        """Drop a blob no record names (a session handoff once imported: streamer.drain); media
-        blobs are never deleted this way."""
-        _check_digest(digest)
-        self._blobs.pop(digest, None)
-
     # ---- directory ------------------------------------------------------------------------
 
     async def claim(self, session_id: str) -> str | None:
@@ -265,13 +259,6 @@ class FileStore(Store):
             return None
         except OSError as exc:
             raise StoreError(f"cannot read blob {digest[:16]} under {self.root}: {exc}") from None
-
-    async def delete_blob(self, digest: str) -> None:
-        _check_digest(digest)
-        try:
-            (self.root / "blobs" / digest).unlink(missing_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot delete blob {digest[:16]} under {self.root}: {exc}") from None
 
     def _path(self, session_id: str) -> Path:
         # ids are printable strings of at most 64 characters; the hex digest keeps two ids that
