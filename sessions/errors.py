@@ -41,6 +41,7 @@ class Code(str, Enum):
     MOVED = "moved"
     STORE_UNAVAILABLE = "store_unavailable"
     REPLAY_FAILED = "replay_failed"
+    DRAINING = "draining"
     # media
     MEDIA_HEADER_INVALID = "media_header_invalid"
     UNSUPPORTED_MEDIA = "unsupported_media"

@@ -113,6 +113,7 @@ class Services:
     mqtt: Any = None
     edge: dict = field(default_factory=dict)  # edge counters for /metrics
     query_ids: Any = field(default_factory=lambda: itertools.count(1))
+    quotas: Any = None  # streamer.quotas.ClusterQuota: per-key caps over every worker of the store
 
     def operator(self, peer: Peer) -> bool:
         """Whether the peer may list every session and watch any of them read-only: an operator
@@ -139,6 +140,9 @@ def session_create(cmd: Command, peer: Peer, svc: Services):
         svc.edge["auth_refused"] += 1
         raise EngineError("session.create needs an API key: send 'Authorization: Bearer <key>' (or ?api_key=) "
                           "when opening the websocket", code=Code.UNAUTHORIZED)
+    if svc.resumer.draining:
+        raise EngineError("this worker is draining (shutting down): create the session on another worker",
+                          code=Code.DRAINING)
     key_name = peer.key_name if keys_on else None
     chosen = chosen_id(cmd, peer, key_name)
     evicted = svc.resumer.make_room(key_name)  # a detached session of this key holding the last slot goes first
@@ -179,6 +183,8 @@ async def _created(cmd: Command, peer: Peer, svc: Services, state: dict, flash: 
                     flash=[FlashRegister.of(a, q).arguments() for a, q in zip(flash, state["flash"])],
                     tokens=directory.tokens.export(sid), key=key_name)
     try:
+        if key_name is not None and svc.quotas is not None:
+            await svc.quotas.admit(key_name, sid)  # the cap over every worker (Redis), not just this one
         await svc.events.created(sid, record)
     except BaseException:
         peer.stop_producing(svc.engine, sid)
@@ -265,12 +271,13 @@ def session_resume(cmd: Command, peer: Peer, svc: Services):
 async def _resume(cmd: Command, peer: Peer, svc: Services) -> str:
     sid, directory = cmd.session_id, svc.directory
     try:
-        replayed = 0  # live here: nothing to replay
+        replayed = reprefill = 0  # live here: nothing to replay
         if directory.get(sid) is not None:  # live here: the token must be its producer token
             if directory.tokens.role_of(sid, cmd["token"]) != "producer":
                 raise EngineError(f"no session {sid!r} with that producer token", code=Code.SESSION_NOT_FOUND)
         else:
-            replayed = (await svc.resumer.recover(sid, cmd["token"]))["records"]
+            recovered = await svc.resumer.recover(sid, cmd["token"])
+            replayed, reprefill = recovered["records"], recovered["reprefill_tokens"]
             if svc.mqtt is not None:
                 svc.mqtt.attach(sid)
         svc.take_over(sid, peer)  # one producer at a time: the newest resume wins
@@ -282,7 +289,8 @@ async def _resume(cmd: Command, peer: Peer, svc: Services) -> str:
             "code": exc.code, "message": exc.message, "recoverable": True, "owner": exc.owner})
     return peer.proto.event("session.resumed", reply_to=cmd.event_id, session_id=sid,
                             last_client_seq=tracked.acked_client_seq, last_seq=state["last_seq"],
-                            replayed_records=replayed, worker=svc.store.worker_id, session=state)
+                            replayed_records=replayed, reprefill_tokens=reprefill, worker=svc.store.worker_id,
+                            session=state)
 
 
 def sessions_list(cmd: Command, peer: Peer, svc: Services):

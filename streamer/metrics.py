@@ -61,6 +61,15 @@ DURABILITY = {
                         "a key at its session quota or the engine at its session limit",
     "snapshots": "Session snapshots written",
 }
+# streamer.drain: sessions moved with their KV cache by a draining worker, and adopted from it
+DRAIN = {
+    "handoffs_exported": "Sessions a draining worker handed over with their KV cache",
+    "handoff_bytes": "Bytes of session handoff blobs written by a draining worker",
+    "handoff_failures": "Sessions a draining worker could not hand over (they are replayed instead)",
+    "handoffs_imported": "Sessions adopted from a handoff blob, with no input read again",
+    "handoff_fallbacks": "Handoff blobs not used on adoption (log moved on, blob missing or refused): replayed",
+}
+DURABILITY.update(DRAIN)
 
 
 def _escape(value: str) -> str:

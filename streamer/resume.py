@@ -26,6 +26,7 @@ from streamer.sessions.errors import Code, EngineError
 
 from .auth import ROLES, digest
 from .directory import Directory, Moved, Tracked
+from .drain import adopt, new_counters
 from .eventlog import EventLog
 from .records import Close, Create, client_seq_of
 from .recovery import applied, parse, replay
@@ -51,6 +52,8 @@ class Resumer:
         self._recovering: dict[str, asyncio.Future] = {}
         self.max_detached, self.max_detached_per_client = max_detached, max_detached_per_client
         self.counters = {"recovered": 0, "detached_expired": 0, "detached_evicted": 0, "sessions_lost": 0}
+        self.handoffs = new_counters()  # streamer.drain: sessions handed over with their KV, both ways
+        self.draining = False  # set by a draining server: sessions not live here are not recovered here
         events.on_lost = self.lost
 
     # ---- ownership: a worker that lost its lease ----------------------------------------------
@@ -219,6 +222,9 @@ class Resumer:
             del self._recovering[session_id]
 
     async def _recover(self, session_id: str, token: str) -> dict:
+        if self.draining:
+            raise EngineError(f"this worker is draining: resume session {session_id} on another worker",
+                              code=Code.DRAINING)
         not_found = EngineError(f"no session {session_id!r} with that producer token", code=Code.SESSION_NOT_FOUND)
         raw = await self.store.read_log(session_id)
         records = parse(applied(raw)) if raw else []
@@ -231,7 +237,11 @@ class Resumer:
         if owner is not None:
             raise Moved(session_id, await self.store.owner(session_id) or {"worker": owner})
         try:
-            state = await replay(self.engine, session_id, raw, self.store)
+            state = await adopt(self.engine, self.store, session_id, raw, records[0], self.handoffs)
+            reprefill = 0  # a drained worker's handoff: the KV came with it
+            if state is None:
+                state = await replay(self.engine, session_id, raw, self.store)
+                reprefill = state["tokens"] - state["prefix_tokens"]  # the window it read again (at least)
         except BaseException:
             if session_id in self.engine.sessions:  # a partial copy must not linger
                 self.engine.close_session(session_id)
@@ -241,7 +251,7 @@ class Resumer:
         tracked = self.directory.restore(session_id, digests, records[0].key, client_seq_of(records))
         self.snapshots.watch(tracked)
         self.counters["recovered"] += 1
-        return {"state": state, "records": len(records)}
+        return {"state": state, "records": len(records), "reprefill_tokens": reprefill}
 
     async def stop(self) -> None:
         """The server stops: the engine's copies go; the logs stay open (no close record), so a

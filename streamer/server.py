@@ -33,6 +33,7 @@ from streamer.sessions.engine import Engine
 from .auth import ALL_SESSIONS, NO_SESSIONS, ApiKeys, key_from_request
 from .connection import Connection, ConnectionGate, LenientConnection, MessageBudget
 from .directory import Directory
+from .drain import drain, drains
 from .eventlog import (DEFAULT_CHECKPOINT_MIN_RECORDS, DEFAULT_CHECKPOINT_RECORDS, DEFAULT_RELOG_MAX_BYTES,
                        EventLog)
 from .handlers import Peer, Services
@@ -41,6 +42,7 @@ from .metrics import EDGE_COUNTERS
 from .metrics import render as render_metrics
 from .protocol import ProtocolLimits
 from .realtime import RealtimeConnection, is_realtime
+from .quotas import ClusterQuota
 from .resume import DEFAULT_DETACH_TTL_S, Resumer
 from .snapshots import DEFAULT_SNAPSHOT_INTERVAL_S, Snapshots
 from .store import heartbeat_loop, open_store
@@ -128,6 +130,7 @@ class StreamerServer:
         self.config = cfg = config or ServerConfig()
         self.connections: set[Connection] = set()
         self.shutting_down = False
+        self.draining: str | None = None  # why, while streamer.drain hands the sessions over
         self.edge = dict.fromkeys(EDGE_COUNTERS, 0)  # edge counters for /metrics
         self.budget = MessageBudget(cfg.server_messages_per_s, cfg.server_messages_burst)
         self.gate: ConnectionGate | None = None  # made at start, when the descriptor limit is known
@@ -140,8 +143,10 @@ class StreamerServer:
         self.resumer = Resumer(engine, self.store, self.directory, self.events, self.snapshots, cfg.detach_ttl_s,
                                on_close=self._closed, max_detached=cfg.max_detached,
                                max_detached_per_client=cfg.max_detached_per_client)
+        self.handoffs = self.resumer.handoffs
         self.services = Services(engine, cfg, self.directory, self.events, self.resumer, self.snapshots, self.store,
                                  self.take_over, edge=self.edge)
+        self.quotas = self.services.quotas = ClusterQuota(self.store, cfg.sessions_per_key)
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
         self._server: Server | None = None
         self._tasks: list[asyncio.Task] = []
@@ -170,7 +175,7 @@ class StreamerServer:
         await self.store.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(heartbeat_loop(self.store, on_forgotten=self.events.store_restarted)),
-                       loop.create_task(self.snapshots.run())]
+                       loop.create_task(self.snapshots.run()), loop.create_task(self.quotas.run(self.directory))]
         if self.mqtt is not None:
             self.mqtt.announce(self.store.worker_url)
         log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,
@@ -298,6 +303,7 @@ class StreamerServer:
     def _closed(self, session_id: str, reason: str) -> None:
         """A session closed here: its subscribers get `session.closed` with the reason (`closed`,
         `detached`, `expired`, `evicted`) and stop watching it; MQTT stops publishing it."""
+        self.quotas.forget(self.directory.key_of(session_id), session_id)
         if self.mqtt is not None:
             self.mqtt.detach(session_id)
         for conn in list(self.connections):
@@ -306,13 +312,15 @@ class StreamerServer:
 
     def health(self) -> dict:
         stats = self.engine.snapshot_stats()
-        return {"status": "ok", "model": self.engine.runner.name, "weights": self.engine.runner.weights.public(),
+        status = {"status": "draining", "reason": self.draining} if self.draining else {"status": "ok"}
+        return {**status, "model": self.engine.runner.name, "weights": self.engine.runner.weights.public(),
                 "sessions": stats["sessions"],
                 "connections": len(self.connections), "context_window": self.engine.context_window}
 
     def durability_metrics(self) -> dict:
         return {**self.events.counters, **self.resumer.counters, "duplicates": self.directory.duplicates,
-                "snapshots": self.snapshots.written, "detached": self.directory.detached(), "store": self.store.kind}
+                "snapshots": self.snapshots.written, "detached": self.directory.detached(), "store": self.store.kind,
+                **self.handoffs}
 
     def _shows(self, viewer) -> Callable[[str], bool]:
         """Which sessions get series of their own on /metrics: all for an operator key (or a
@@ -327,7 +335,8 @@ class StreamerServer:
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
-            return _json_response(HTTPStatus.OK, self.health())
+            # draining: 503, so that a proxy's health check stops sending new connections here
+            return _json_response(HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK, self.health())
         if path == "/metrics":
             viewer = self.config.api_keys.viewer(key_from_request(request.headers, request.path))
             if viewer is None:
@@ -422,7 +431,9 @@ async def _going_away(connections, wait_s: float) -> None:
 
 async def run_server(engine: Engine, config: ServerConfig,
                      on_ready: Callable[[StreamerServer], Awaitable[None] | None] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully (see StreamerServer.shutdown)."""
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (see StreamerServer.shutdown); with
+    a store that outlives this process (file or Redis), drain first: hand each session over with
+    its KV cache to whichever worker resumes it next (streamer.drain)."""
     server = await StreamerServer(engine, config).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -439,7 +450,12 @@ async def run_server(engine: Engine, config: ServerConfig,
         await stop.wait()
         log.info("shutting down: %d connections, up to %g s for in-flight work",
                  len(server.connections), config.shutdown_grace_s)
-        done = await server.shutdown()
+        if drains(server):
+            done = await drain(server)
+            log.info("drained: %(handed_off)d sessions handed over with their KV, %(not_handed_off)d left to "
+                     "replay, in %(drain_s)g s", done)
+        else:
+            done = await server.shutdown()
         log.info("shut down: %(connections)d connections closed, %(in_flight)d requests in flight, "
                  "%(answers_ended)d answers ended early, %(unfinished)d unfinished", done)
     finally:

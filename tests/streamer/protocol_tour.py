@@ -584,6 +584,37 @@ async def stores(rec: Recorder, engine, small, tmp: Path) -> None:
     finally:
         await server.stop()
     await redis_workers(rec, engine, tmp)
+    await drained(rec, engine, tmp)
+
+
+async def drained(rec: Recorder, engine, tmp: Path) -> None:
+    """A worker draining (SIGTERM with a file store): `draining`, `server.draining`, and the
+    session resumed from its handoff on the next worker (`reprefill_tokens` 0)."""
+    from streamer.drain import drain
+
+    directory = tmp / "drained"
+    server, url = await started(engine, store_url=str(directory))
+    try:
+        peer = await Peer.open(rec, url)
+        created = await peer.ok({"type": "session.create"}, "session.created")
+        await peer.ok({"type": "input.text.append", "session_id": created["session_id"], "text": "A calm sea."},
+                      "input.ack")
+        server.draining = server.resumer.draining = "the tour"  # what drain() does first
+        await peer.refused({"type": "session.create"}, "draining")
+        assert (await drain(server, grace_s=10))["handed_off"] == 1
+        await peer.of("server.draining")
+        await peer.close()
+    finally:
+        await server.stop()
+    server, url = await started(engine, store_url=str(directory))
+    try:
+        peer = await Peer.open(rec, url)
+        resumed = await peer.ok({"type": "session.resume", "session_id": created["session_id"],
+                                 "token": created["tokens"]["producer"]}, "session.resumed")
+        assert resumed["reprefill_tokens"] == 0, resumed
+        await peer.close()
+    finally:
+        await server.stop()
 
 
 def free_port() -> int:

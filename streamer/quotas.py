@@ -1,0 +1,104 @@
+"""Per-key session caps across the cluster.
+
+Each worker counts the sessions an API key holds on it (`Directory`, `sessions_per_key`); with
+a Redis store the cap holds over every worker sharing it too: the sessions a key holds are a
+sorted set in Redis (`{p}:key-sessions:{key}`, member the session id, score the time its entry
+expires, on Redis's clock). A new session is admitted by a Lua script that drops expired
+entries, counts the rest and adds the new one only under the cap, atomically. Each worker
+re-stamps the entries of the sessions it holds (detached ones too: they count, as on one
+worker) every heartbeat, so the entries of a dead worker's sessions expire after the worker
+TTL (6 s) unless the worker that adopts them stamps them again; a closed session's entry goes
+at once. With a file or in-process store there is one worker: the directory's count is all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+from streamer.sessions.errors import Code, EngineError
+
+from .store import HEARTBEAT_S, WORKER_TTL_S
+
+log = logging.getLogger(__name__)
+
+# KEYS[1]: the key's set; ARGV: ttl ms, cap, session id. Returns -1 when admitted, else the count held.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[3]) then
+  local held = redis.call('ZCARD', KEYS[1])
+  if held >= tonumber(ARGV[2]) then return held end
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[1]))
+return -1
+"""
+
+# KEYS[1]: the key's set; ARGV: ttl ms, then the session ids this worker holds for that key.
+_STAMP = """
+local t = redis.call('TIME')
+local until_ = t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], until_, ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[1]))
+return #ARGV - 1
+"""
+
+
+class ClusterQuota:
+    """The cluster-wide count of sessions per API key (a no-op unless the store is Redis)."""
+
+    def __init__(self, store, sessions_per_key: int, ttl_s: float = WORKER_TTL_S) -> None:
+        self.store = store
+        self.sessions_per_key = sessions_per_key
+        self.ttl_ms = int(ttl_s * 1000)
+        self.enabled = store.kind == "redis"
+        if self.enabled:
+            self._admit = store.redis.register_script(_ADMIT)
+            self._stamp = store.redis.register_script(_STAMP)
+
+    def _key(self, key_name: str) -> str:
+        return self.store.key("key-sessions", key_name)
+
+    async def admit(self, key_name: str, session_id: str) -> None:
+        """Count `session_id` for `key_name` in the cluster, or raise `too_many_sessions`."""
+        if not self.enabled:
+            return
+        held = await self.store._do(self._admit(keys=[self._key(key_name)],
+                                                args=[self.ttl_ms, self.sessions_per_key, session_id]))
+        if held != -1:
+            raise EngineError(f"this API key already holds {held} sessions across the cluster "
+                              f"(limit {self.sessions_per_key})", code=Code.TOO_MANY_SESSIONS)
+
+    async def release(self, key_name: str, session_id: str) -> None:
+        if self.enabled:
+            await self.store._do(self.store.redis.zrem(self._key(key_name), session_id))
+
+    def forget(self, key_name: str | None, session_id: str) -> None:
+        """A session of `key_name` closed here: its entry goes now (in the background)."""
+        if self.enabled and key_name is not None:
+            task = asyncio.get_running_loop().create_task(self.release(key_name, session_id))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
+                "releasing session %s from its key's count: %s", session_id, t.exception()))
+
+    async def stamp(self, held: dict[str, list[str]]) -> None:
+        """Re-stamp the entries of the sessions this worker holds (key name -> session ids)."""
+        for key_name, sids in held.items():
+            await self.store._do(self._stamp(keys=[self._key(key_name)], args=[self.ttl_ms, *sids]))
+
+    async def run(self, directory, interval_s: float = HEARTBEAT_S) -> None:
+        """Stamp every `interval_s` the sessions `directory` holds with a key (adopted ones too)."""
+        if not self.enabled:
+            return
+        while True:
+            held: dict[str, list[str]] = defaultdict(list)
+            for sid, tracked in list(directory.sessions.items()):
+                if tracked.key_name is not None:
+                    held[tracked.key_name].append(sid)
+            try:
+                await self.stamp(held)
+            except Exception as exc:  # the store is down: entries may lapse; admissions fail alike
+                log.warning("stamping the per-key session counts: %s", exc)
+            await asyncio.sleep(interval_s)
