@@ -8,6 +8,7 @@ Keys (all under `prefix`, default `streamer`):
 - `{p}:worker:{wid}` String with a TTL of WORKER_TTL_S; the worker's URL (its heartbeat)
 - `{p}:snap:{sid}`   String; the session's latest snapshot (JSON)
 - `{p}:sessions`     Sorted set; session id scored by its snapshot's time (the dashboard list)
+- `{p}:cluster:secret` String; what workers put on adoption requests to each other (streamer.adoption)
 
 Appends and claims are Lua scripts, so they are atomic: an append succeeds only while this
 worker owns the session (a worker that was presumed dead and came back cannot write into a
