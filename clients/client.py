@@ -263,7 +263,9 @@ class StreamerClient:
         """Re-attach to a session after a lost connection, a restart or a failover (its
         producer token: `session.tokens["producer"]`). Given the old `Session`, inputs it sent
         that the server never logged are resent, in order; the rest are not (no duplicates).
-        A `moved` StreamerError names the worker that owns the session."""
+        A `moved` StreamerError names the worker that owns the session; behind a cluster's
+        proxy use streamer.clients.failover.ClusterSession, which retries the same URL instead
+        and never raises `moved`."""
         old = session if isinstance(session, Session) else None
         sid = old.id if old is not None else session
         token = token or (old.tokens.get("producer") if old is not None else None)
