@@ -15,6 +15,7 @@ of its rows and asks the final question. Reported:
   bench/drain.py `run_drain` when those exist here (nan otherwise).
 
 Run: python bench/cluster.py [--sessions 24] [--rows 12] [--model tiny] [--redis redis://127.0.0.1:6379/0]
+     [--worker-ttl 6]
 The last line is `RESULT failover_p50_s=<x> failover_p99_s=<x> resume_50k_vs_500=<x> drain_reprefill_tokens=<n> lost=<n>`.
 """
 
@@ -135,13 +136,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--worker-ttl", type=float, default=None,
+                        help="the workers' heartbeat TTL in seconds (default: the server's, 6)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the cluster on the way out
     prefix = f"streamer-bench-{uuid.uuid4().hex[:8]}"
     r = redis.Redis.from_url(args.redis, decode_responses=True)
     started = time.monotonic()
     with LocalCluster(3, f"{args.redis}?prefix={prefix}", f"127.0.0.1:{free_port()}",
-                      ["--model", args.model, "--threads", "1", "--detach-ttl", "600"]) as cluster:
+                      ["--model", args.model, "--threads", "1", "--detach-ttl", "600",
+                       *(["--worker-ttl", str(args.worker_ttl)] if args.worker_ttl else [])]) as cluster:
         print(f"cluster up in {time.monotonic() - started:.1f} s: {cluster.url} -> {cluster.worker_urls}", flush=True)
         out = asyncio.run(run(args, cluster, r, prefix))
     keys = list(r.scan_iter(f"{prefix}:*"))
@@ -150,7 +154,8 @@ def main() -> None:
     times = out["failover"]
     p50, p99 = (statistics.median(times) if times else math.nan), percentile(times, 0.99)
     print(f"failover of {out['moved']} sessions: p50 {p50:.2f} s, p99 {p99:.2f} s, max {max(times or [math.nan]):.2f} s "
-          f"(heartbeat TTL 6 s of it: a dead worker's sessions are adoptable once its key expires)")
+          f"(up to the heartbeat TTL, {args.worker_ttl or 6:g} s, of it: a dead worker's sessions are adoptable "
+          "once its key expires; then the 1 s sweep, the replay and the client's backoff)")
     print(f"answers equal control: {out['equal']}/{out['sessions']}; lost acked inputs: {out['lost']}")
     resume = borrowed("recovery", "run_recovery")
     drain = borrowed("drain", "run_drain")

@@ -82,6 +82,10 @@ def _durability_args(serve: argparse.ArgumentParser) -> None:
                        help="behind a proxy that hashes ?session= (docs/cluster.md): its address as this worker "
                             "reaches it (ws://host:port); with a Redis store, a dead worker's sessions are "
                             "adopted by the worker the proxy routes them to, before their clients come back")
+    serve.add_argument("--worker-ttl", type=positive_float, default=None, metavar="SECONDS",
+                       help="a worker whose heartbeat is this old is dead and its sessions may be adopted; it "
+                            "beats every third of it. Every worker of a store must use the same value; "
+                            "failover takes about this long (default: 6)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,7 +236,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # Settings, not limits: --limit does not take them and docs/limits.md need not list them.
 NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys", "store_url", "worker_id",
-              "public_url", "media", "proxy_url", "adopt_interval_s"}
+              "public_url", "media", "proxy_url", "adopt_interval_s", "worker_ttl_s"}
 
 
 def apply_limits(items: list[str], config, limits):
@@ -296,6 +300,9 @@ def _serve(args: argparse.Namespace) -> int:
         keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys()
     except KeysFileError as exc:
         raise CliError(str(exc)) from None
+    if args.worker_ttl is not None and args.worker_ttl < 2:
+        raise CliError(f"--worker-ttl {args.worker_ttl:g}: at least 2 seconds (a lease is trusted until "
+                       "0.5 s before it ends, and beats come every third of it)")
     if args.proxy_url:
         from streamer.adoption import check_proxy_url
 
@@ -319,7 +326,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
                           api_keys=keys, sessions_per_key=args.sessions_per_key, store_url=args.store,
                           detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url,
-                          proxy_url=args.proxy_url)
+                          proxy_url=args.proxy_url, worker_ttl_s=args.worker_ttl)
     try:
         config, limits = apply_limits(args.limit, config, _engine_limits(args))
     except ValueError as exc:

@@ -116,6 +116,7 @@ class ServerConfig:
     # dead worker's sessions go through it, so the worker its hash picks adopts them (streamer.adoption)
     proxy_url: str | None = None
     adopt_interval_s: float = 1.0  # how often a worker on a Redis store looks for dead workers' sessions
+    worker_ttl_s: float | None = None  # a worker silent this long is dead (None: WORKER_TTL_S, 6 s); beats at a third
     media: MediaConfig | None = field(default_factory=MediaConfig)  # None: binary frames are refused
 
 
@@ -132,6 +133,8 @@ class StreamerServer:
         self.gate: ConnectionGate | None = None  # made at start, when the descriptor limit is known
         self._stopped = False
         self.store = open_store(cfg.store_url, cfg.worker_id)
+        if cfg.worker_ttl_s is not None:  # failover time is mostly this (docs/cluster.md)
+            self.store.worker_ttl_s, self.store.heartbeat_s = cfg.worker_ttl_s, cfg.worker_ttl_s / 3
         self.directory = Directory(cfg.api_keys.enabled, cfg.sessions_per_key)
         self.events = EventLog(self.store, self.directory, cfg.relog_max_bytes)
         self.snapshots = Snapshots(engine, self.store, self.directory, self.push_snapshot, cfg.snapshot_interval_s)
