@@ -207,8 +207,11 @@ class Resumer:
         producer token), moved (a live worker owns it), replay_failed. `adopt` (no token): a
         dead worker's session taken over with nobody asking (streamer.adoption); it is left
         detached, so it closes after `detach_ttl_s` unless its producer resumes it."""
-        if session_id in self._recovering:
-            return await asyncio.shield(self._recovering[session_id])
+        if session_id in self._recovering:  # one replay; each waiter's token is checked against its result
+            result = await asyncio.shield(self._recovering[session_id])
+            if not adopt and self.directory.tokens.role_of(session_id, token) != "producer":
+                raise EngineError(f"no session {session_id!r} with that producer token", code=Code.SESSION_NOT_FOUND)
+            return result
         fut = self._recovering[session_id] = asyncio.get_running_loop().create_future()
         try:
             result = await self._recover(session_id, token, adopt)
