@@ -263,7 +263,9 @@ class StreamerClient:
         """Re-attach to a session after a lost connection, a restart or a failover (its
         producer token: `session.tokens["producer"]`). Given the old `Session`, inputs it sent
         that the server never logged are resent, in order; the rest are not (no duplicates).
-        A `moved` StreamerError names the worker that owns the session."""
+        A `moved` StreamerError names the worker that owns the session; behind a cluster's
+        proxy use streamer.clients.failover.ClusterSession, which retries the same URL instead
+        and never raises `moved`."""
         old = session if isinstance(session, Session) else None
         sid = old.id if old is not None else session
         token = token or (old.tokens.get("producer") if old is not None else None)
@@ -308,18 +310,16 @@ class StreamerClient:
             self._pending.pop(event_id, None)
 
     async def _read(self) -> None:
+        why = "connection closed"
         try:
             async for frame in self.ws:
                 self._dispatch(json.loads(frame))
-        except Exception as exc:  # connection gone: fail everything that waits
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(ConnectionError(f"connection closed: {exc}"))
-            return
+        except Exception as exc:  # connection gone (cut, not closed): fail everything that waits
+            why = f"connection closed: {exc}"
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(ConnectionError("connection closed"))
-        for stream in self._streams.values():
+                fut.set_exception(ConnectionError(why))
+        for stream in self._streams.values():  # running questions end with the error, however it closed
             stream._feed({"type": "error", "error": {"code": CONNECTION_CLOSED, "message": "connection closed",
                                                      "recoverable": False}})
 

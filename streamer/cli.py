@@ -77,7 +77,15 @@ def _durability_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--worker-id", default=None, help="this worker's id in the store (default: random)")
     serve.add_argument("--public-url", default=None,
                        help="URL clients use to reach this worker, sent when a session lives elsewhere "
-                            "(default: ws://HOST:PORT)")
+                            "(default: ws://HOST:PORT; behind a proxy: the proxy's URL)")
+    serve.add_argument("--proxy-url", default=None, metavar="URL",
+                       help="behind a proxy that hashes ?session= (docs/cluster.md): its address as this worker "
+                            "reaches it (ws://host:port); with a Redis store, a dead worker's sessions are "
+                            "adopted by the worker the proxy routes them to, before their clients come back")
+    serve.add_argument("--worker-ttl", type=positive_float, default=None, metavar="SECONDS",
+                       help="a worker whose heartbeat is this old is dead and its sessions may be adopted; it "
+                            "beats every third of it. Every worker of a store must use the same value; "
+                            "failover takes about this long (default: 6)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     client = sub.add_parser("client", help="talk to a running service")
     add_arguments(client)
+
+    from streamer.cluster import add_arguments as cluster_arguments
+
+    cluster = sub.add_parser("cluster", help="try a local cluster: HAProxy in front of N workers sharing a Redis")
+    cluster_arguments(cluster)
     return parser
 
 
@@ -131,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         from streamer.clients.cli import run
 
         return run(args)
+    if args.command == "cluster":
+        from streamer.cluster import run as run_cluster
+
+        return run_cluster(args)
     prog = f"streamer {args.command}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from packages or local paths
     try:
@@ -219,7 +236,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # Settings, not limits: --limit does not take them and docs/limits.md need not list them.
 NOT_LIMITS = {"host", "port", "protocol", "mqtt_url", "mqtt_prefix", "api_keys", "store_url", "worker_id",
-              "public_url", "media"}
+              "public_url", "media", "proxy_url", "adopt_interval_s", "worker_ttl_s"}
 
 
 def apply_limits(items: list[str], config, limits):
@@ -283,6 +300,16 @@ def _serve(args: argparse.Namespace) -> int:
         keys = ApiKeys.from_file(args.api_keys_file) if args.api_keys_file else ApiKeys()
     except KeysFileError as exc:
         raise CliError(str(exc)) from None
+    if args.worker_ttl is not None and args.worker_ttl < 2:
+        raise CliError(f"--worker-ttl {args.worker_ttl:g}: at least 2 seconds (a lease is trusted until "
+                       "0.5 s before it ends, and beats come every third of it)")
+    if args.proxy_url:
+        from streamer.adoption import check_proxy_url
+
+        try:
+            check_proxy_url(args.proxy_url, args.store)
+        except ValueError as exc:
+            raise CliError(f"--proxy-url: {exc}") from None
     preflight.serve(args)  # before anything slow: a start that cannot work fails in a second
     from streamer.server import ServerConfig, run_server
     from streamer.store import StoreError
@@ -298,7 +325,8 @@ def _serve(args: argparse.Namespace) -> int:
                  "" if roles["operator"] else "; no operator key: mark one 'role=operator' to see all sessions")
     config = ServerConfig(host=args.host, port=args.port, mqtt_url=args.mqtt, mqtt_prefix=args.mqtt_prefix,
                           api_keys=keys, sessions_per_key=args.sessions_per_key, store_url=args.store,
-                          detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url)
+                          detach_ttl_s=args.detach_ttl, worker_id=args.worker_id, public_url=args.public_url,
+                          proxy_url=args.proxy_url, worker_ttl_s=args.worker_ttl)
     try:
         config, limits = apply_limits(args.limit, config, _engine_limits(args))
     except ValueError as exc:

@@ -55,6 +55,7 @@ DURABILITY = {
     "log_compacted": "Log records dropped by compaction at checkpoints",
     "duplicates": "Inputs acknowledged as duplicates of a client_seq already seen",
     "recovered": "Sessions recovered by replaying their event logs",
+    "adopted": "Sessions of dead workers adopted here with no client asking (the proxy routes them here)",
     "sessions_lost": "Sessions dropped here because another worker adopted them (this worker had lost its lease)",
     "detached_expired": "Detached sessions closed when their TTL ran out",
     "detached_evicted": "Detached sessions closed early to make room: a client or the server over its detach cap, "

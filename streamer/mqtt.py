@@ -162,7 +162,9 @@ class MqttBridge:
         self._task = None
 
     def attach(self, session_id: str) -> None:
-        """Publish this session's events (call on the event loop)."""
+        """Publish this session's events (call on the event loop); once per session."""
+        if session_id in self._listeners:  # adopted in the background, then resumed
+            return
 
         def listener(event: str, payload: dict) -> None:  # engine or action thread
             if event in TOPICS or event in STATE_ONLY:

@@ -5,9 +5,10 @@ Keys (all under `prefix`, default `streamer`):
 - `{p}:log:{sid}`    Stream; one entry per record, fields `n` (position), `r` (JSON record) and `i`
                      (the record's id); the entry id is `0-n`, so position n is looked up directly
 - `{p}:owner:{sid}`  String; the owning worker's id
-- `{p}:worker:{wid}` String with a TTL of WORKER_TTL_S; the worker's URL (its heartbeat)
+- `{p}:worker:{wid}` String with a TTL of `worker_ttl_s` (WORKER_TTL_S); the worker's URL (its heartbeat)
 - `{p}:snap:{sid}`   String; the session's latest snapshot (JSON)
 - `{p}:sessions`     Sorted set; session id scored by its snapshot's time (the dashboard list)
+- `{p}:cluster:secret` String; what workers put on adoption requests to each other (streamer.adoption)
 - `{p}:blob:{d}`     String; a blob (base64), content-addressed by its sha256 `d`: it expires
                      `retention_s` after its put unless a log names it (then it is persisted)
 - `{p}:refs:{sid}`   Set; the blobs the session's log names
@@ -49,7 +50,7 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from .store import (DEFAULT_RETENTION_S, WORKER_TTL_S, Conflict, LogGap, NotOwner, Store, StoreError,
+from .store import (DEFAULT_RETENTION_S, Conflict, LogGap, NotOwner, Store, StoreError,
                     StoreLost, _check_digest)
 
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
@@ -240,11 +241,11 @@ class RedisStore(Store):
         sent = time.monotonic()  # the key lives WORKER_TTL_S from when Redis runs the SET: later than this
         try:
             before = await self._do(self.redis.set(self.key("worker", self.worker_id), self.worker_url or "",
-                                                   px=int(WORKER_TTL_S * 1000), get=True))
+                                                   px=int(self.worker_ttl_s * 1000), get=True))
         except StoreError:
             self._beat_failed_at = time.monotonic()
             raise
-        self._lease_until = sent + WORKER_TTL_S - LEASE_MARGIN_S
+        self._lease_until = sent + self.worker_ttl_s - LEASE_MARGIN_S
         forgotten = before is None and self._beaten
         self._beaten = True
         return forgotten

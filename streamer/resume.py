@@ -26,7 +26,7 @@ from streamer.sessions.errors import Code, EngineError
 
 from .auth import ROLES, digest
 from .directory import Directory, Moved, Tracked
-from .drain import adopt, new_counters
+from .drain import adopt as take_handoff, new_counters
 from .eventlog import EventLog
 from .records import Close, Create, client_seq_of
 from .recovery import applied, parse, replay
@@ -51,7 +51,9 @@ class Resumer:
         self.on_close = on_close  # (session id, reason): closed here (subscribers are told, MQTT stops)
         self._recovering: dict[str, asyncio.Future] = {}
         self.max_detached, self.max_detached_per_client = max_detached, max_detached_per_client
-        self.counters = {"recovered": 0, "detached_expired": 0, "detached_evicted": 0, "sessions_lost": 0}
+        self.counters = {"recovered": 0, "adopted": 0, "detached_expired": 0, "detached_evicted": 0,
+                         "sessions_lost": 0}
+        self.on_adopt: Callable[[str], None] | None = None  # a session adopted with nobody asking (MQTT goes on)
         self.handoffs = new_counters()  # streamer.drain: sessions handed over with their KV, both ways
         self.draining = False  # set by a draining server: sessions not live here are not recovered here
         events.on_lost = self.lost
@@ -202,15 +204,20 @@ class Resumer:
         except Exception as exc:
             log.warning("could not record the close of session %s: %s", session_id, exc)
 
-    async def recover(self, session_id: str, token: str) -> dict:
+    async def recover(self, session_id: str, token: str | None, adopt: bool = False) -> dict:
         """Bring a session that is not live here back from its log; returns {state, records}.
         Raises EngineError: session_not_found (no log, closed, or a token that is not its
-        producer token), moved (a live worker owns it), replay_failed."""
-        if session_id in self._recovering:
-            return await asyncio.shield(self._recovering[session_id])
+        producer token), moved (a live worker owns it), replay_failed. `adopt` (no token): a
+        dead worker's session taken over with nobody asking (streamer.adoption); it is left
+        detached, so it closes after `detach_ttl_s` unless its producer resumes it."""
+        if session_id in self._recovering:  # one replay; each waiter's token is checked against its result
+            result = await asyncio.shield(self._recovering[session_id])
+            if not adopt and self.directory.tokens.role_of(session_id, token) != "producer":
+                raise EngineError(f"no session {session_id!r} with that producer token", code=Code.SESSION_NOT_FOUND)
+            return result
         fut = self._recovering[session_id] = asyncio.get_running_loop().create_future()
         try:
-            result = await self._recover(session_id, token)
+            result = await self._recover(session_id, token, adopt)
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # retrieved: concurrent waiters re-raise it themselves
@@ -221,7 +228,7 @@ class Resumer:
         finally:
             del self._recovering[session_id]
 
-    async def _recover(self, session_id: str, token: str) -> dict:
+    async def _recover(self, session_id: str, token: str | None, adopt: bool = False) -> dict:
         if self.draining:
             raise EngineError(f"this worker is draining: resume session {session_id} on another worker",
                               code=Code.DRAINING)
@@ -231,13 +238,13 @@ class Resumer:
         if not records or not isinstance(records[0], Create) or any(r.kind == "close" for r in records):
             raise not_found
         digests = records[0].tokens or {}
-        if set(digests) != set(ROLES) or not _is(token, digests["producer"]):
+        if set(digests) != set(ROLES) or not (adopt or _is(token, digests["producer"])):
             raise not_found
         owner = await self.store.claim(session_id)
         if owner is not None:
             raise Moved(session_id, await self.store.owner(session_id) or {"worker": owner})
         try:
-            state = await adopt(self.engine, self.store, session_id, raw, records[0], self.handoffs)
+            state = await take_handoff(self.engine, self.store, session_id, raw, records[0], self.handoffs)
             reprefill = 0  # a drained worker's handoff: the KV came with it
             if state is None:
                 state = await replay(self.engine, session_id, raw, self.store)
@@ -251,6 +258,11 @@ class Resumer:
         tracked = self.directory.restore(session_id, digests, records[0].key, client_seq_of(records))
         self.snapshots.watch(tracked)
         self.counters["recovered"] += 1
+        if adopt:  # before any waiting resume goes on: that one attaches it again
+            self.counters["adopted"] += 1
+            if self.on_adopt is not None:
+                self.on_adopt(session_id)
+            self.detach(session_id)
         return {"state": state, "records": len(records), "reprefill_tokens": reprefill}
 
     async def stop(self) -> None:

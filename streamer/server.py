@@ -119,6 +119,11 @@ class ServerConfig:
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S  # at most one snapshot per session per interval
     worker_id: str | None = None  # default: a random id per process
     public_url: str | None = None  # how clients reach this worker (sent in `moved`); default ws://host:port
+    # behind a proxy (docs/cluster.md): the proxy's address as workers reach it; adoption requests for a
+    # dead worker's sessions go through it, so the worker its hash picks adopts them (streamer.adoption)
+    proxy_url: str | None = None
+    adopt_interval_s: float = 1.0  # how often a worker on a Redis store looks for dead workers' sessions
+    worker_ttl_s: float | None = None  # a worker silent this long is dead (None: WORKER_TTL_S, 6 s); beats at a third
     media: MediaConfig | None = field(default_factory=MediaConfig)  # None: binary frames are refused
 
 
@@ -136,6 +141,8 @@ class StreamerServer:
         self.gate: ConnectionGate | None = None  # made at start, when the descriptor limit is known
         self._stopped = False
         self.store = open_store(cfg.store_url, cfg.worker_id)
+        if cfg.worker_ttl_s is not None:  # failover time is mostly this (docs/cluster.md)
+            self.store.worker_ttl_s, self.store.heartbeat_s = cfg.worker_ttl_s, cfg.worker_ttl_s / 3
         self.directory = Directory(cfg.api_keys.enabled, cfg.sessions_per_key)
         self.events = EventLog(self.store, self.directory, cfg.relog_max_bytes, engine, cfg.checkpoint_records,
                                cfg.checkpoint_min_records)
@@ -148,6 +155,7 @@ class StreamerServer:
                                  self.take_over, edge=self.edge)
         self.quotas = self.services.quotas = ClusterQuota(self.store, cfg.sessions_per_key)
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
+        self.adopter = None  # streamer.adoption.Adopter (Redis store, behind a proxy): takes over dead workers' sessions
         self._server: Server | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -178,9 +186,27 @@ class StreamerServer:
                        loop.create_task(self.snapshots.run()), loop.create_task(self.quotas.run(self.directory))]
         if self.mqtt is not None:
             self.mqtt.announce(self.store.worker_url)
+        if self.store.kind == "redis" and cfg.proxy_url:
+            self._start_adopter()
         log.info("listening on ws://%s:%d (model %s, %s store, worker %s)", cfg.host, self.port,
                  self.engine.runner.name, self.store.kind, self.store.worker_id)
         return self
+
+    def _start_adopter(self) -> None:
+        from .adoption import Adopter
+
+        async def adopt(sid: str):
+            if self.directory.get(sid) is not None:
+                return None
+            return await self.resumer.recover(sid, None, adopt=True)
+
+        def adopted(sid: str) -> None:
+            if self.mqtt is not None:
+                self.mqtt.attach(sid)
+
+        self.resumer.on_adopt = adopted
+        self.adopter = Adopter(self.store, adopt, self.config.proxy_url, self.config.adopt_interval_s)
+        self._tasks.append(asyncio.get_running_loop().create_task(self.adopter.run()))
 
     async def stop(self) -> None:
         """Stop serving: the log writes still on their way finish, final snapshots are written,
@@ -193,6 +219,8 @@ class StreamerServer:
             await self._server.wait_closed()
         for task in self._tasks:
             task.cancel()
+        if self.adopter is not None:
+            self.adopter.stop()
         await self.events.drain()
         for tracked in self.directory.sessions.values():
             if tracked.expiry is not None:
@@ -347,6 +375,8 @@ class StreamerServer:
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])
             return Response(HTTPStatus.OK.value, "OK", headers, body)
+        if path == "/cluster/adopt" and self.adopter is not None:  # streamer.adoption
+            return self.adopter.handle(request)
         if (page := web_route(self, request)) is not None:  # /app, /sdk/, /dashboard (streamer.web)
             return page
         if request.headers.get("Upgrade", "").lower() == "websocket":

@@ -74,6 +74,11 @@ class Store:
     """The interface, and the in-process implementation (nothing survives the process)."""
 
     kind = "memory"
+    # A worker silent for worker_ttl_s is dead (its sessions may be adopted); it beats every
+    # heartbeat_s. Shorter fails over sooner and declares a stalled worker dead sooner
+    # (`streamer serve --worker-ttl`, docs/cluster.md).
+    worker_ttl_s: float = WORKER_TTL_S
+    heartbeat_s: float = HEARTBEAT_S
 
     def __init__(self, worker_id: str | None = None, retention_s: float = DEFAULT_RETENTION_S) -> None:
         self.worker_id = worker_id or f"w-{secrets.token_hex(4)}"
@@ -110,7 +115,7 @@ class Store:
         if self._settling:  # renewed, but which sessions are still ours is being checked
             return True
         now = time.monotonic()
-        return now > self._lease_until and now - self._beat_failed_at > HEARTBEAT_S
+        return now > self._lease_until and now - self._beat_failed_at > self.heartbeat_s
 
     async def flush(self) -> None:
         """Everything appended so far is durable (appends already are when they return)."""
@@ -526,9 +531,11 @@ async def beat(store: Store, on_forgotten=None) -> None:
             store._beats += 1  # counted once settled: a command that waited returns after the check
 
 
-async def heartbeat_loop(store: Store, interval_s: float = HEARTBEAT_S, on_forgotten=None) -> None:
-    """Beat every `interval_s`; when the store had forgotten this worker, await `on_forgotten()`
-    (the event log drops the sessions another worker adopted and re-writes what the store lost)."""
+async def heartbeat_loop(store: Store, interval_s: float | None = None, on_forgotten=None) -> None:
+    """Beat every `interval_s` (default: the store's heartbeat_s); when the store had forgotten
+    this worker, await `on_forgotten()` (the event log drops the sessions another worker adopted
+    and re-writes what the store lost)."""
+    interval_s = store.heartbeat_s if interval_s is None else interval_s
     while True:
         try:
             await beat(store, on_forgotten)

@@ -24,17 +24,33 @@ window.streamerApp = app;
 
 function apiKey() { return $("api-key").value.trim() || null; }
 
-async function connect() {
+/** A new session's id, chosen here so that the proxy in front of a cluster routes it (and every
+ * later connection of it) to one worker; a server without a proxy takes it as it is. */
+function newSessionId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(8));
+  return "app-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+/** The route key of a session id: the id its creator chose (without a `<key name>:` prefix). */
+function routeOf(sessionId) {
+  const at = sessionId.indexOf(":");
+  return at >= 0 ? sessionId.slice(at + 1) : sessionId;
+}
+
+async function connect(route = null) {
   const key = apiKey();
   if (app.client && !app.client.closing) {
     // The key travels only when the websocket opens: a key typed (or changed) after a refused
     // "New session" needs a new connection, not the old keyless one (while no session uses it).
-    if ((app.client.apiKey ?? null) === key || app.session) return app.client;
+    if (((app.client.apiKey ?? null) === key && (app.client.routeKey ?? null) === route) || app.session) {
+      return app.client;
+    }
     app.client.close();
     app.client = null;
   }
   sessionStorage.setItem(KEY, key ?? "");
-  const client = await StreamerClient.connect(defaultUrl(), { apiKey: key });
+  // ?session=<id>: behind a cluster's proxy every connection of the session reaches its worker
+  const client = await StreamerClient.connect(defaultUrl(), { apiKey: key, session: route });
   const mine = (fn) => (ev) => { if (app.client === client) fn(ev); };  // not a connection left behind
   client.on("open", mine(() => setConn("live")));
   client.on("close", mine((ev) => setConn(ev.reconnecting ? "reconnecting…" : "offline")));
@@ -49,7 +65,7 @@ async function connect() {
 async function createSession(event) {
   event.preventDefault();
   await guard(async () => {
-    const client = await connect();
+    const client = await connect(newSessionId());
     const options = {};
     if ($("system-prompt").value.trim()) options.systemPrompt = $("system-prompt").value.trim();
     if ($("thinking").checked) options.thinking = { mode: "dual" };
@@ -60,7 +76,7 @@ async function createSession(event) {
 }
 
 async function resume(sessionId, token, saved = null) {
-  const client = await connect();
+  const client = await connect(routeOf(sessionId));
   const session = await client.resumeSession(sessionId, token, saved);
   attach(session);
   const ev = session.resumed;

@@ -77,6 +77,13 @@ export function withApiKey(url, apiKey) {
   return u.toString();
 }
 
+/** `url` with ?session=<key>: the session key a cluster's proxy hashes (docs/cluster.md). */
+export function withRoute(url, key) {
+  const u = new URL(url);
+  u.searchParams.set("session", key);
+  return u.toString();
+}
+
 /** The websocket URL of the page's own server (ws: or wss: like the page). */
 export function defaultUrl() {
   if (typeof location === "undefined" || !location.host) return "ws://127.0.0.1:8765/";
@@ -405,7 +412,10 @@ export class Session extends Emitter {
 /** One websocket to a streamer server, kept open: reconnects and resumes its sessions. */
 export class StreamerClient extends Emitter {
   /** Open a connection. options: apiKey, reconnect (default true), minBackoffMs (250),
-   * maxBackoffMs (5000), maxBufferedBytes (4 MiB: live pictures beyond it are dropped). */
+   * maxBackoffMs (5000), maxBufferedBytes (4 MiB: live pictures beyond it are dropped),
+   * session: behind a cluster's proxy (docs/cluster.md), the id of the session this connection
+   * is for: it goes in the URL as ?session=<id> (the key the proxy hashes), createSession
+   * uses it as the new session's id, and every reconnect goes to that same URL. */
   static async connect(url = defaultUrl(), options = {}) {
     const client = new StreamerClient(url, options);
     await client.opened();
@@ -413,9 +423,11 @@ export class StreamerClient extends Emitter {
   }
 
   constructor(url = defaultUrl(), { apiKey = null, reconnect = true, minBackoffMs = 250, maxBackoffMs = 5000,
-                                    maxBufferedBytes = 4 << 20 } = {}) {
+                                    maxBufferedBytes = 4 << 20, session = null } = {}) {
     super();
-    this.url = url;
+    this.routeKey = session;
+    this.homeUrl = session ? withRoute(url, session) : url;  // every reconnect starts here again
+    this.url = this.homeUrl;
     this.apiKey = apiKey;
     this.reconnect = reconnect;
     this.minBackoffMs = minBackoffMs;
@@ -443,7 +455,7 @@ export class StreamerClient extends Emitter {
   async createSession({ systemPrompt, sessionId, flash, thinking, window } = {}) {
     const msg = { type: "session.create" };
     if (systemPrompt) msg.system_prompt = systemPrompt;
-    if (sessionId) msg.session_id = sessionId;
+    if (sessionId ?? this.routeKey) msg.session_id = sessionId ?? this.routeKey;
     if (flash) msg.flash = flash;
     if (thinking) msg.thinking = thinking;
     if (window) msg.window = window;
@@ -489,7 +501,7 @@ export class StreamerClient extends Emitter {
   /** sessions.list (needs an API key): {sessions: snapshots, worker}. */
   async listSessions(sessionId = null) {
     const msg = { type: "sessions.list" };
-    if (sessionId) msg.session_id = sessionId;
+    if (sessionId ?? this.routeKey) msg.session_id = sessionId ?? this.routeKey;
     const ev = await this.request(msg);
     return { sessions: ev.sessions, worker: ev.worker };
   }
@@ -568,6 +580,10 @@ export class StreamerClient extends Emitter {
   _willRetry() { return this.reconnect && !this.closing; }
 
   _scheduleRetry() {
+    // A `moved` sent this attempt to the owner's URL; any later reconnect goes through the URL
+    // the client was given (a proxy's, or a worker that may adopt the session): never pinned.
+    if (this._following) this._following = false;
+    else this.url = this.homeUrl;
     const delay = this._backoff;
     this._backoff = Math.min(this.maxBackoffMs, this._backoff * 2);
     this._retry = setTimeout(() => { this.stats.reconnects += 1; this._open(); }, delay);
@@ -598,8 +614,13 @@ export class StreamerClient extends Emitter {
         session._resumed(ev);
         this._emit("resumed", { type: "resumed", session, event: ev });
       } catch (err) {
-        if (err.code === "moved" && err.owner?.url) {  // another live worker owns it: go there
-          this.url = err.owner.url;
+        if (err.code === "moved") {  // another worker owns it (or owned it and has not been declared dead yet)
+          // Behind a proxy: the same URL again, after a backoff (the proxy routes it to the owner,
+          // or to the worker adopting it). Direct to workers: the owner's URL, for this attempt only.
+          if (err.owner?.url && !this.routeKey && err.owner.url !== this.url) {
+            this.url = err.owner.url;
+            this._following = true;
+          }
           this.ws.close(4000, "moved");
           return;
         }

@@ -1,0 +1,197 @@
+"""One address in front of three workers, and failover without the client (docs/cluster.md).
+
+Real parts: HAProxy (the Debian package) on a port chosen at run time, three `streamer serve`
+worker processes (tiny seeded model) sharing a Redis under a key prefix of this module's own.
+
+- Every connection of a session, through the one URL with ?session=<id>, reaches the worker
+  that owns it: a resume there finds it live (nothing replayed, never `moved`).
+- kill -9 of the worker holding the most sessions: every session answers again through the same
+  URL; the surviving worker the proxy now routes each to adopted it on its own (before its
+  client came back); no acknowledged input is lost or doubled in the logs; answers equal those
+  of a control session that saw the same input and never moved; flash answers keep coming, to
+  the producer and to a read-only watcher that re-subscribed through the same URL.
+"""
+
+import asyncio
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import uuid
+
+import pytest
+from redisutil import redis_server  # noqa: F401  (fixture)
+from wsutil import raw
+
+from streamer.clients.failover import ClusterSession, ClusterWatcher, routed_url
+from streamer.adoption import route_key
+from streamer.cluster import LocalCluster, haproxy_config
+
+pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None,
+                                reason="haproxy is not installed (apt-get install haproxy; .ci/run does)")
+
+SYSTEM = "You are a harbour master's assistant."
+ROWS = [f"row {i}: buoy {i % 3} reads {17 + i} knots from the {'north' if i % 2 else 'west'}. " for i in range(1, 9)]
+FLASH = [{"question": "How fast is the wind?", "max_tokens": 6, "end_bias": 0.0, "frequency_penalty": 0.0}]
+QUESTION = {"max_tokens": 8, "end_bias": 0.0, "frequency_penalty": 0.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server):  # noqa: F811
+    import redis
+
+    prefix = f"streamer-cluster-{uuid.uuid4().hex[:8]}"
+    with LocalCluster(3, f"redis://{redis_server}/0?prefix={prefix}", f"127.0.0.1:{free_port()}",
+                      ["--model", "tiny", "--threads", "1", "--detach-ttl", "600"]) as c:
+        c.redis = redis.Redis.from_url(f"redis://{redis_server}/0", decode_responses=True)
+        c.prefix = prefix
+        yield c
+    keys = list(c.redis.scan_iter(f"{prefix}:*"))
+    if keys:
+        c.redis.delete(*keys)
+    c.redis.close()
+
+
+def owner(cluster, sid: str) -> str:
+    return cluster.redis.get(f"{cluster.prefix}:owner:{sid}")
+
+
+def logged_client_seqs(cluster, sid: str) -> list[int]:
+    entries = cluster.redis.xrange(f"{cluster.prefix}:log:{sid}")
+    return [json.loads(f["r"]).get("client_seq") for _, f in entries if json.loads(f["r"]).get("kind") == "append"]
+
+
+def test_generated_haproxy_config_is_valid(tmp_path):
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(haproxy_config(["127.0.0.1:8701", "127.0.0.1:8702"]))
+    check = subprocess.run(["haproxy", "-c", "-f", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "balance url_param session" in path.read_text() and "hash-type consistent" in path.read_text()
+    with pytest.raises(ValueError, match="host:port"):
+        haproxy_config(["no-port"])
+
+
+def test_route_key_is_the_id_the_client_chose():
+    assert route_key("tenant:cam-1", "tenant") == "cam-1"
+    assert route_key("cam-1", None) == "cam-1"
+    assert route_key("other:cam-1", "tenant") == "other:cam-1"
+
+
+def test_adoption_requests_need_the_cluster_secret(cluster):
+    host, port = cluster.bind.rsplit(":", 1)
+    for headers in ({}, {"X-Streamer-Adopt": "guess"}):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/cluster/adopt?session=x&sid=x", headers=headers)
+        reply = conn.getresponse()
+        assert reply.status == 403, reply.status
+        assert "workers of this cluster" in json.loads(reply.read())["error"]
+        conn.close()
+
+
+def test_every_connection_of_a_session_reaches_its_owner(cluster):
+    async def main():
+        created = {}
+        for i in range(9):
+            sid = f"route-{i}"
+            peer = await raw(routed_url(cluster.url, sid))
+            created[sid] = await peer.request({"type": "session.create", "session_id": sid, "system_prompt": SYSTEM})
+            assert created[sid]["type"] == "session.created", created[sid]
+            await peer.ws.close()
+        owners = {sid: owner(cluster, sid) for sid in created}
+        assert len(set(owners.values())) > 1, f"the proxy sent every session to one worker: {owners}"
+        for sid, event in created.items():  # a second connection finds it live where it is
+            peer = await raw(routed_url(cluster.url, sid))
+            resumed = await peer.request({"type": "session.resume", "session_id": sid,
+                                          "token": event["tokens"]["producer"]})
+            assert resumed["type"] == "session.resumed", resumed
+            assert resumed["replayed_records"] == 0 and resumed["worker"] == owners[sid], (resumed, owners[sid])
+            await peer.request({"type": "session.close", "session_id": sid})
+            await peer.ws.close()
+
+    asyncio.run(main())
+
+
+def test_kill9_failover_through_the_same_url(cluster):
+    asyncio.run(_failover(cluster))
+
+
+async def _failover(cluster):
+    sessions = [await ClusterSession.create(cluster.url, session_id=f"feed-{i}", system_prompt=SYSTEM,
+                                            flash=[dict(q) for q in FLASH]) for i in range(9)]
+    for row in ROWS[:4]:
+        for s in sessions:
+            await s.append(row)
+    owners = {s.id: owner(cluster, s.id) for s in sessions}
+    assert len(set(owners.values())) > 1, f"the proxy sent every session to one worker: {owners}"
+    victim = max(set(owners.values()), key=list(owners.values()).count)
+    moving = [s for s in sessions if owners[s.id] == victim]
+    watched = moving[0]
+    watcher = await ClusterWatcher.subscribe(cluster.url, watched.id, watched.session.subscribe_token)
+    cluster.kill(int(victim.split("-")[0][1:]) - 1)
+
+    # adopted with no client asking: the owner changes while every client is silent
+    async def adopted():
+        while any(owner(cluster, s.id) in (victim, None) for s in moving):
+            await asyncio.sleep(0.2)
+
+    await asyncio.wait_for(adopted(), 60)
+    for s in moving:
+        assert s.reconnects == 0  # nobody has touched them yet
+
+    for row in ROWS[4:]:
+        for s in sessions:
+            await s.append(row)
+    answers = {s.id: (await s.ask("How fast is the wind at buoy 2?", **QUESTION)).text for s in sessions}
+    control = await ClusterSession.create(cluster.url, session_id="control", system_prompt=SYSTEM,
+                                          flash=[dict(q) for q in FLASH])
+    for row in ROWS:
+        await control.append(row)
+    expected = (await control.ask("How fast is the wind at buoy 2?", **QUESTION)).text
+    assert answers == {s.id: expected for s in sessions}
+
+    for s in sessions:  # every acknowledged input logged exactly once, in order
+        assert logged_client_seqs(cluster, s.id) == list(range(1, len(ROWS) + 1)), s.id
+        assert owner(cluster, s.id) != victim
+    assert all(s.reconnects >= 1 for s in moving)
+
+    # flash answers keep being evaluated on the adopted sessions, up to the last row
+    async def current(s):
+        while True:
+            state = await s.state()
+            if state["flash"][0].get("data_version", -1) >= state["data_version"]:
+                return
+            await asyncio.sleep(0.1)
+
+    for s in moving:
+        await asyncio.wait_for(current(s), 60)
+    # and pushed from the adopting worker: the watcher re-subscribed through the same URL and is
+    # sent the first answer of a question registered after the failover
+    seen = []
+
+    async def resubscribed():
+        async for event in watcher.events():
+            seen.append(event)
+            if [e["type"] for e in seen].count("watcher.subscribed") >= 2:
+                return
+
+    await asyncio.wait_for(resubscribed(), 60)
+    flash = await watched.register_flash("Which buoy reads the most?", max_tokens=4, end_bias=0.0,
+                                         frequency_penalty=0.0)
+
+    async def pushed():
+        async for event in watcher.events():
+            seen.append(event)
+            if event["type"] == "flash.updated" and event["flash_id"] == flash["flash_id"]:
+                return event
+
+    assert (await asyncio.wait_for(pushed(), 60))["session_id"] == watched.id
+    await watcher.close()
+    for s in [*sessions, control]:
+        await s.close()
