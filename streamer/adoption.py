@@ -34,6 +34,8 @@ from urllib.parse import parse_qs, quote, urlsplit
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from .redis_store import record_of
+
 log = logging.getLogger(__name__)
 
 ADOPT_PATH = "/cluster/adopt"
@@ -153,9 +155,9 @@ async def orphans(store, limit: int = 1000) -> list[tuple[str, str | None]]:
     out = []
     for i, sid in enumerate(dead):
         first, last = ends[2 * i], ends[2 * i + 1]
-        if not first or store._record(last[0][1]).get("kind") == "close":
+        if not first or record_of(last[0][1]).get("kind") == "close":
             continue
-        out.append((sid, store._record(first[0][1]).get("key")))
+        out.append((sid, record_of(first[0][1]).get("key")))
     return out
 
 

@@ -221,7 +221,7 @@ class RedisStore(Store):
         self._locks: dict[str, asyncio.Lock] = {}
         self._closed = False
         self._beaten = False  # a heartbeat has been written (a later one that finds none: forgotten)
-        self._lease_until = float("-inf")  # no beat yet (Store.lease_lapsed)
+        self._lease_until = float("-inf")  # no beat yet (store.lease_lapsed)
 
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -328,20 +328,12 @@ class RedisStore(Store):
             raise NotOwner(f"worker {self.worker_id} no longer owns session {session_id}")
         return int(out)
 
-    @staticmethod
-    def _record(fields: dict) -> dict:
-        record = json.loads(fields["r"])
-        record["n"] = int(fields["n"])
-        if fields.get("i"):
-            record["rid"] = fields["i"]
-        return record
-
     async def read_log(self, session_id: str) -> list[dict]:
-        return [self._record(fields) for _, fields in await self._do(self.redis.xrange(self.key("log", session_id)))]
+        return [record_of(fields) for _, fields in await self._do(self.redis.xrange(self.key("log", session_id)))]
 
     async def record_at(self, session_id: str, n: int) -> dict | None:
         at = await self._do(self.redis.xrange(self.key("log", session_id), f"0-{n}", f"0-{n}"))
-        return self._record(at[0][1]) if at else None
+        return record_of(at[0][1]) if at else None
 
     async def closed(self, session_id: str) -> None:
         ttl = max(1, int(self.retention_s))
@@ -392,3 +384,11 @@ class RedisStore(Store):
         if gone:  # expired by retention: drop them from the list too
             await self._do(self.redis.zrem(self.key("sessions"), *gone))
         return [json.loads(v) for v in values if v is not None]
+
+
+def record_of(fields: dict) -> dict:
+    record = json.loads(fields["r"])
+    record["n"] = int(fields["n"])
+    if fields.get("i"):
+        record["rid"] = fields["i"]
+    return record

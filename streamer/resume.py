@@ -31,7 +31,7 @@ from .eventlog import EventLog
 from .records import Close, Create, client_seq_of
 from .recovery import applied, parse, replay
 from .snapshots import Snapshots
-from .store import Store, beat
+from .store import Store, beat, lease_lapsed
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Resumer:
         session_id, command = cmd.session_id, cmd.type
         if session_id is None or command == "session.create":
             return None
-        if self.directory.get(session_id) is not None and self.store.lease_lapsed():
+        if self.directory.get(session_id) is not None and lease_lapsed(self.store):
             try:
                 await beat(self.store, self.events.store_restarted)
             except Exception as exc:  # the store does not answer: nobody can adopt through it either

@@ -106,17 +106,6 @@ class Store:
         TTL): another worker may own its sessions now, and the store may have lost their logs."""
         return False
 
-    def lease_lapsed(self) -> bool:
-        """Whether this worker's heartbeat may have expired in the store since its last beat
-        (the process was paused, or its event loop stalled, past WORKER_TTL_S), so that another
-        worker may have adopted its sessions; False for a while after a beat failed (a store that
-        does not answer cannot say, and nobody can adopt through it: the heartbeat loop tries
-        again). Never for a store of one process (its lease never ends)."""
-        if self._settling:  # renewed, but which sessions are still ours is being checked
-            return True
-        now = time.monotonic()
-        return now > self._lease_until and now - self._beat_failed_at > self.heartbeat_s
-
     async def flush(self) -> None:
         """Everything appended so far is durable (appends already are when they return)."""
 
@@ -165,35 +154,18 @@ class Store:
         for digest in superseded:
             if digest not in named:
                 self._blobs.pop(digest, None)
-        self._expire_blobs()
+        _drop_expired_blobs(self)
         return len(log) - len(keep)
 
     def expire(self) -> None:
         """Remove what outlived the retention time now (also done at each close and blob put)."""
-        self._expire()
-
-    def referenced(self) -> set[str]:
-        """The blobs some kept log names (they never expire)."""
-        return {r["blob"] for log in self._logs.values() for r in log if isinstance(r.get("blob"), str)}
-
-    def _expire_blobs(self) -> None:
-        cutoff, live = time.time() - self.retention_s, self.referenced()
-        for key in [k for k, (_, t) in self._blobs.items() if t <= cutoff and k not in live]:
-            del self._blobs[key]
+        _expire_memory(self)
 
     async def closed(self, session_id: str) -> None:
         """The session closed: its data expire after the retention time."""
         self._closed_at[session_id] = time.time()
         self._owners.pop(session_id, None)
-        self._expire()
-
-    def _expire(self) -> None:
-        cutoff = time.time() - self.retention_s
-        for sid in [s for s, t in self._closed_at.items() if t <= cutoff]:
-            self._closed_at.pop(sid)
-            self._logs.pop(sid, None)
-            self._snapshots.pop(sid, None)
-        self._expire_blobs()
+        _expire_memory(self)
 
     # ---- blobs (media inputs, content-addressed) -------------------------------------------
 
@@ -202,7 +174,7 @@ class Store:
         (from its last put). Durable on return, like `append`: log it before the record naming it."""
         _check_digest(digest)
         self._blobs[digest] = (data, time.time())
-        self._expire_blobs()
+        _drop_expired_blobs(self)
 
     async def get_blob(self, digest: str) -> bytes | None:
         _check_digest(digest)
@@ -450,6 +422,36 @@ class FileStore(Store):
 
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _expire_memory(store: Store) -> None:
+    """The in-process store's retention: closed sessions' logs and snapshots, then blobs."""
+    cutoff = time.time() - store.retention_s
+    for sid in [s for s, t in store._closed_at.items() if t <= cutoff]:
+        store._closed_at.pop(sid)
+        store._logs.pop(sid, None)
+        store._snapshots.pop(sid, None)
+    _drop_expired_blobs(store)
+
+
+def _drop_expired_blobs(store: Store) -> None:
+    """Blobs past the retention time that no kept log names (those never expire)."""
+    cutoff = time.time() - store.retention_s
+    live = {r["blob"] for log in store._logs.values() for r in log if isinstance(r.get("blob"), str)}
+    for key in [k for k, (_, t) in store._blobs.items() if t <= cutoff and k not in live]:
+        del store._blobs[key]
+
+
+def lease_lapsed(store: Store) -> bool:
+    """Whether this worker's heartbeat may have expired in the store since its last beat
+    (the process was paused, or its event loop stalled, past WORKER_TTL_S), so that another
+    worker may have adopted its sessions; False for a while after a beat failed (a store that
+    does not answer cannot say, and nobody can adopt through it: the heartbeat loop tries
+    again). Never for a store of one process (its lease never ends)."""
+    if store._settling:  # renewed, but which sessions are still ours is being checked
+        return True
+    now = time.monotonic()
+    return now > store._lease_until and now - store._beat_failed_at > store.heartbeat_s
 
 
 def _check_digest(digest: str) -> None:
