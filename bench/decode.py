@@ -13,7 +13,7 @@ For each context size (default 512 and 4096 tokens of the bundled log, framed as
 Both use the same number of threads. Rounds alternate between engines, so machine drift hits
 them alike; medians are printed. Perplexity per format on the bundled log is printed after.
 
-GGUF types (`--gguf-types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32`): the embedded model's
+GGUF types (`--gguf-types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,Q4_K_M,Q5_K_M,F16,BF16,F32`): the embedded model's
 weights (its Q4_1 file dequantized) re-exported in each type (sessions/gguf_write.py; tensors
 not a whole number of 256-weight super-blocks fall back as llama-quantize does: Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0), each loaded as `--model file.gguf --weights auto` loads it, and its

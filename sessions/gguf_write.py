@@ -9,10 +9,16 @@ absmax (Q6_K) per sub-block, without llama.cpp's search for the best scales, so 
 somewhat larger than llama-quantize's, never smaller. A tensor whose rows are not a whole number
 of 256-weight super-blocks falls back as llama-quantize falls back: Q4_K -> Q5_0, Q5_K -> Q5_1,
 Q6_K -> Q8_0.
+
+The mixes users mostly download, Q4_K_M and Q5_K_M, are written as llama-quantize lays them out
+(llama_tensor_get_type): Q4_K (Q5_K) everywhere but attn_v and ffn_down of the layers that get
+more bits (the first and last eighth and every third between) and an untied output head, which
+are Q6_K.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +29,21 @@ from .gguf_file import GGUF_LINEARS, row_order
 
 QK = 256
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # mix -> its base type (more bits: Q6_K)
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's use_more_bits: the layers whose attn_v and ffn_down a _M mix makes Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_kind(kind: str, tensor: str, layer: int | None, layers: int) -> str:
+    """The type `kind` (a type, or a mix of MIXES) gives tensor `tensor` (attn_v, output, ...)."""
+    if kind not in MIXES:
+        return kind
+    if tensor == "output" or (tensor in ("attn_v", "ffn_down") and layer is not None and more_bits(layer, layers)):
+        return "Q6_K"
+    return MIXES[kind]
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -112,21 +133,30 @@ def encode(weight: torch.Tensor, kind: str) -> tuple[np.ndarray, str]:
 
 def _copy_metadata(writer, template: Path, skip: tuple[str, ...] = ()) -> None:
     """The template GGUF's tokenizer and general fields (its architecture's own keys left out)."""
+    for name, value, kind, sub in _template_fields(str(Path(template).resolve())):
+        if name not in skip:
+            writer.add_key_value(name, value, kind, sub_type=sub)
+
+
+@functools.lru_cache(maxsize=4)
+def _template_fields(template: str) -> tuple[tuple, ...]:
+    """(name, value, type, array item type) of a template's fields, read once per process:
+    parsing a 50k-token vocabulary with GGUFReader takes seconds (most of writing a tiny file)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(template))
+    reader = gguf.GGUFReader(template)
     arch = reader.fields["general.architecture"].contents()
-    for f in reader.fields.values():
-        if f.name.startswith(("GGUF.", f"{arch}.")) or f.name in ("general.architecture", "general.file_type", *skip):
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    return tuple((f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+                 for f in reader.fields.values()
+                 if not f.name.startswith(("GGUF.", f"{arch}.")) and f.name not in ("general.architecture",
+                                                                                  "general.file_type"))
 
 
 def export_gguf(model: nn.Module, path: Path, kind: str, template: Path, name: str | None = None) -> dict[str, int]:
     """Write a Llama/Qwen2/Qwen3 Hugging Face model as a GGUF whose 2-D weights (token embedding,
-    linear layers, untied output head) are `kind`, norms and biases F32, with the template GGUF's
-    tokenizer and chat template. Returns how many tensors went into each type."""
+    linear layers, untied output head) are `kind` (a type, or Q4_K_M / Q5_K_M: see MIXES), norms
+    and biases F32, with the template GGUF's tokenizer and chat template. Returns how many tensors
+    went into each type."""
     import gguf
 
     cfg = model.config
@@ -151,11 +181,12 @@ def export_gguf(model: nn.Module, path: Path, kind: str, template: Path, name: s
     writer.add_vocab_size(cfg.vocab_size)
     counts: dict[str, int] = {}
 
-    def put(tname: str, weight: torch.Tensor, quantize: bool = True) -> None:
-        if not quantize or weight.dim() == 1:
+    def put(tname: str, weight: torch.Tensor, layer: int | None = None) -> None:
+        if weight.dim() == 1:
             data, written = np.ascontiguousarray(weight.detach().float().numpy()), "F32"
         else:
-            data, written = encode(weight, kind)
+            part = tname.split(".")[-2]
+            data, written = encode(weight, tensor_kind(kind, part, layer, cfg.num_hidden_layers))
         counts[written] = counts.get(written, 0) + 1
         raw = None if written in ("F32", "F16") else gguf.GGMLQuantizationType[written]
         writer.add_tensor(tname, data, raw_dtype=raw)
@@ -173,7 +204,7 @@ def export_gguf(model: nn.Module, path: Path, kind: str, template: Path, name: s
                 permuted = torch.empty_like(weight)
                 permuted[order] = weight
                 weight = permuted
-            put(f"blk.{i}.{part}.weight", weight)
+            put(f"blk.{i}.{part}.weight", weight, i)
             if bias is not None:
                 put(f"blk.{i}.{part}.bias", bias)
         for norm in ("q_norm", "k_norm"):

@@ -218,7 +218,8 @@ class RealtimeProtocol(ServerProtocol):
 
     def _session_update(self, msg: dict, event_id: str | None) -> list[Command | str]:
         rt, config = self.rt, _object(msg.get("session"), "session")
-        _refuse_set(config, {"prompt": "stored prompts", "reasoning": "reasoning settings"}, "session")
+        _refuse_set(config, {"prompt": "stored prompts", "reasoning": "reasoning settings", "tracing": "traces",
+                             "include": "extra output fields (logprobs)"}, "session")
         if config.get("type") not in (None, "realtime"):
             raise Refused(Code.INVALID_FIELD, "only 'realtime' sessions are supported (not transcription)",
                           "session.type")

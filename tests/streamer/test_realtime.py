@@ -120,6 +120,31 @@ def test_text_items_and_an_answer_streamed_as_deltas(tiny_engine):
     run(tiny_engine, test)
 
 
+def test_a_running_response_is_cancelled(tiny_engine):
+    """response.cancel right behind response.create (no response_id: the newest running one) stops
+    the answer: response.done says cancelled; the session answers the next question in full."""
+    async def test(server):
+        async with client(server.port).realtime.connect(model="streamer") as conn:
+            events = Events(conn)
+            await events.next("session.created")
+            await text_item(conn, events, LINES[0])
+            await conn.response.create(response={"instructions": QUESTION, "max_output_tokens": 64})
+            await conn.response.cancel(event_id="stop")
+            created, stream, done = await events.response()
+            assert done.response.status == "cancelled", done
+            assert done.response.status_details.reason == "client_cancelled"
+            assert done.response.usage.output_tokens < 64
+            assert not [e for e in events.seen if e.type == "error"], events.seen
+            await conn.response.create(response={"instructions": QUESTION, "max_output_tokens": 5})
+            _, _, after = await events.response()
+            assert after.response.status == "incomplete" and after.response.usage.output_tokens == 5
+            await conn.response.cancel(response_id=created.response.id, event_id="late")  # over already
+            error = (await events.next("error")).error
+            assert (error.code, error.event_id) == ("query_not_found", "late")
+
+    run(tiny_engine, test)
+
+
 @pytest.fixture(scope="module")
 def embedded_engine(embedded):
     from streamer.sessions.engine import Engine
@@ -181,6 +206,10 @@ def test_unsupported_features_are_refused_with_an_error(tiny_engine):
                                       event_id="e4"), "invalid_field", "response.audio.output"),
                 (conn.response.cancel(event_id="e5"), "query_not_found", "response_id"),
                 (conn.input_audio_buffer.commit(event_id="e6"), "invalid_field", "audio"),
+                (conn.session.update(session={"type": "realtime", "tracing": "auto"}, event_id="e7"),
+                 "invalid_field", "session.tracing"),
+                (conn.session.update(session={"type": "realtime", "include": [
+                    "item.input_audio_transcription.logprobs"]}, event_id="e8"), "invalid_field", "session.include"),
             ]
             for send, code, param in cases:
                 await send
