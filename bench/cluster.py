@@ -11,11 +11,13 @@ of its rows and asks the final question. Reported:
 - lost: acknowledged inputs missing from the logs in Redis (each client_seq is read back);
 - answers equal control: every session's final answer equals that of a control session (same
   input, created after the failover, never moved) - the baseline run in the same process;
-- resume_50k_vs_500 and drain_reprefill_tokens: from bench/recovery.py `run_recovery` and
-  bench/drain.py `run_drain` when those exist here (nan otherwise).
+- resume_50k_vs_500: bench/recovery.py `run_recovery` on a 500-row and a `--recovery-rows`-row
+  session (default 50,000; 0 skips it and prints nan), resume time of the long over the short;
+- drain_reprefill_tokens: bench/drain.py `run_drain` (tokens read again when a SIGTERM'd
+  worker's sessions move to another; a plain stop's replay is its baseline).
 
 Run: python bench/cluster.py [--sessions 24] [--rows 12] [--model tiny] [--redis redis://127.0.0.1:6379/0]
-     [--worker-ttl 6]
+     [--worker-ttl 6] [--recovery-rows 50000]
 The last line is `RESULT failover_p50_s=<x> failover_p99_s=<x> resume_50k_vs_500=<x> drain_reprefill_tokens=<n> lost=<n>`.
 """
 
@@ -39,6 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import redis  # noqa: E402
 
+from streamer.app import build_engine  # noqa: E402
 from streamer.clients.failover import ClusterSession  # noqa: E402
 from streamer.cluster import LocalCluster  # noqa: E402
 
@@ -114,20 +117,45 @@ async def run(args: argparse.Namespace, cluster: LocalCluster, r: redis.Redis, p
             "moved": len(moved)}
 
 
-def borrowed(name: str, func: str) -> float:
-    """A number from another bench of this repo (bench/<name>.py `func()`), nan when absent."""
-    path = Path(__file__).with_name(f"{name}.py")
-    if not path.exists():
-        return math.nan
+def load_bench(name: str):
+    """bench/<name>.py as a module (its `run_*` functions)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def resume_ratio(model: str, short: int, long: int) -> float:
+    """bench/recovery.py's figure: resume time of a `long`-row session over a `short`-row one."""
+    recovery = load_bench("recovery")
+    engine = build_engine(model)
+
+    async def both():
+        out = {}
+        for rows in (short, long):
+            step = max(1000, rows // 10)
+            out[rows] = await recovery.run_recovery(
+                engine, rows, None, rounds=3,
+                progress=lambda n, rows=rows, step=step: n % step == 0 and print(f"  recovery: {n}/{rows} rows",
+                                                                                 flush=True))
+        return out
+
     try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        out = getattr(module, func)()
-        return float(out if not isinstance(out, dict) else next(iter(out.values())))
-    except Exception as exc:  # noqa: BLE001 - report it, keep this bench's own numbers
-        print(f"{name}.{func}: {exc!r}", flush=True)
-        return math.nan
+        out = asyncio.run(both())
+    finally:
+        engine.stop()
+    for rows, r in out.items():
+        print(f"recovery of a {rows}-row session: resume {r['resume_s'] * 1000:.1f} ms, replayed "
+              f"{r['replayed_records']} records, log {r['log_bytes']} B + blobs {r['blob_bytes']} B", flush=True)
+    return out[long]["resume_s"] / out[short]["resume_s"]
+
+
+def drain_tokens(model: str) -> int:
+    """bench/drain.py's figure: tokens read again when a drained worker's sessions move."""
+    out = asyncio.run(load_bench("drain").run_drain(model=model, sessions=4, rows_per_session=20))
+    print(f"drain: {out['drain']['handed_off']} sessions handed over, {out['drain_reprefill_tokens']} tokens read "
+          f"again (a plain stop and replay: {out['baseline']['reprefill_tokens']})", flush=True)
+    return int(out["drain_reprefill_tokens"])
 
 
 def main() -> None:
@@ -138,6 +166,8 @@ def main() -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--worker-ttl", type=float, default=None,
                         help="the workers' heartbeat TTL in seconds (default: the server's, 6)")
+    parser.add_argument("--recovery-rows", type=int, default=50_000,
+                        help="rows of the long session whose resume is compared with a 500-row one's (0: skip)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the cluster on the way out
     prefix = f"streamer-bench-{uuid.uuid4().hex[:8]}"
@@ -157,9 +187,9 @@ def main() -> None:
           f"(up to the heartbeat TTL, {args.worker_ttl or 6:g} s, of it: a dead worker's sessions are adoptable "
           "once its key expires; then the 1 s sweep, the replay and the client's backoff)")
     print(f"answers equal control: {out['equal']}/{out['sessions']}; lost acked inputs: {out['lost']}")
-    resume = borrowed("recovery", "run_recovery")
-    drain = borrowed("drain", "run_drain")
-    drain_text = "nan" if math.isnan(drain) else str(int(drain))
+    resume = resume_ratio(args.model, 500, args.recovery_rows) if args.recovery_rows else math.nan
+    drain = drain_tokens(args.model)
+    drain_text = str(drain)
     print(f"RESULT failover_p50_s={p50:.2f} failover_p99_s={p99:.2f} resume_50k_vs_500={resume:.2f} "
           f"drain_reprefill_tokens={drain_text} lost={out['lost']}")
 
