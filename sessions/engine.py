@@ -488,6 +488,17 @@ def bounded_tokens(tokenize: Callable[[str], list[int]], text: str, limit: int) 
     return tokenize(text)
 
 
+def input_tokens(core: EngineCore, session_id: str, tokens: list[int] | TooLong) -> list[int]:
+    """An input's tokens from `bounded_tokens`, or its refusal (on the engine thread, O(1))."""
+    if isinstance(tokens, TooLong):
+        core.writable(session_id)  # a missing or ended session is refused as such first
+        raise ContextOverflow(
+            f"input of more than {tokens.tokens} tokens (counted in its first {tokens.chars} characters) "
+            f"does not fit session {session_id}: no input can be longer than the context window of "
+            f"{core.context_window} tokens")
+    return tokens
+
+
 def _command(fn: Callable, keyed: bool = True) -> Callable:
     """A command of the core (a function taking the EngineCore first) as an Engine method: it
     runs on the engine thread and returns a Future of its result. `then` is attached to the
@@ -623,16 +634,6 @@ class Engine:
         self._tokenizing.put(*self._key(session_id, None), (work, fut))
         return fut
 
-    def _input_tokens(self, session_id: str, tokens: list[int] | TooLong) -> list[int]:
-        """An input's tokens from `bounded_tokens`, or its refusal (on the engine thread, O(1))."""
-        if isinstance(tokens, TooLong):
-            self.core.writable(session_id)  # a missing or ended session is refused as such first
-            raise ContextOverflow(
-                f"input of more than {tokens.tokens} tokens (counted in its first {tokens.chars} characters) "
-                f"does not fit session {session_id}: no input can be longer than the context window of "
-                f"{self.context_window} tokens")
-        return tokens
-
     def _tokenizer_worker(self) -> None:
         queue, any_item = self._tokenizing, lambda _: True
         while True:
@@ -660,7 +661,7 @@ class Engine:
         limit = self.context_window
         tokens = self._tokenize(session_id, lambda: bounded_tokens(self.runner.tokenize, text, limit))
         return self.call(lambda: jobs.append(self.core, session_id, text, evict_first,
-                                             tokens=self._input_tokens(session_id, tokens.result())),
+                                             tokens=input_tokens(self.core, session_id, tokens.result())),
                          then, session_id, ready=tokens)
 
     def revise(self, session_id: str, text: str, from_seq: int | None = None, evict_first: list[int] | None = None,
@@ -671,7 +672,7 @@ class Engine:
         limit = self.context_window
         tokens = self._tokenize(session_id, lambda: bounded_tokens(self.runner.tokenize, text, limit))
         return self.call(lambda: jobs.revise(self.core, session_id, text, from_seq, evict_first,
-                                             tokens=self._input_tokens(session_id, tokens.result())),
+                                             tokens=input_tokens(self.core, session_id, tokens.result())),
                          then, session_id, ready=tokens)
 
     def query(self, session_id: str, question: str, params: SamplingParams | None = None,

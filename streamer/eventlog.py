@@ -223,6 +223,24 @@ class LogWriter:
         self.counters["log_fenced"] += 1
         pipe.pending = None
 
+    async def void_refused(self, sid: str, pipe: Pipe, rid: str) -> None:
+        """The engine refused a logged record (VOIDED_REFUSALS): a `void` record after it makes
+        replay skip it. A write that fails stays pending, written before anything else."""
+        data, void_rid = Void(ts=time.time(), rid_of=rid).to_json(), _rid()
+        async with pipe.lock:
+            if pipe.closed:
+                return
+            try:
+                await self.settle(sid, pipe)
+                await self.write(sid, pipe, data, void_rid)
+            except EngineError as exc:
+                if pipe.pending is None and exc.recoverable and exc.code != Code.MOVED:
+                    pipe.pending = Pending(pipe.next_n, void_rid, data, True)
+                    self.retry(sid, pipe)
+                log.warning("session %s: the void of a refused input is not logged yet (%s)", sid, exc.message)
+                return
+            self.counters["log_voided_refused"] += 1
+
     async def holder(self, sid: str, n: int) -> str | None:
         try:
             record = await self.store.record_at(sid, n)
@@ -476,26 +494,8 @@ class EventLog:
             return await asyncio.wrap_future(fut)
         except EngineError as exc:
             if exc.code in VOIDED_REFUSALS:
-                await self._void_refused(sid, pipe, rid)
+                await self.writer.void_refused(sid, pipe, rid)
             raise
-
-    async def _void_refused(self, sid: str, pipe: Pipe, rid: str) -> None:
-        """The engine refused a logged record (VOIDED_REFUSALS): a `void` record after it makes
-        replay skip it. A write that fails stays pending, written before anything else."""
-        data, void_rid = Void(ts=time.time(), rid_of=rid).to_json(), _rid()
-        async with pipe.lock:
-            if pipe.closed:
-                return
-            try:
-                await self.writer.settle(sid, pipe)
-                await self.writer.write(sid, pipe, data, void_rid)
-            except EngineError as exc:
-                if pipe.pending is None and exc.recoverable and exc.code != Code.MOVED:
-                    pipe.pending = Pending(pipe.next_n, void_rid, data, True)
-                    self.writer.retry(sid, pipe)
-                log.warning("session %s: the void of a refused input is not logged yet (%s)", sid, exc.message)
-                return
-            self.counters["log_voided_refused"] += 1
 
     async def _log_then_apply(self, sid: str, pipe: Pipe, index: int, record: Record, apply, client_seq):
         async with pipe.lock:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from streamer.auth import ApiKeys
 from streamer.sessions.engine import Engine, EngineLimits, TooLong, bounded_tokens
 from streamer.sessions.errors import EngineError
 from streamer.sessions.models import build_tiny_model
@@ -53,8 +54,10 @@ def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits
     n = 24
 
     async def test(url, server):
-        attacker, bystander = await raw(url), await raw(url)
-        sid_a, sid_b = await attacker.create(), await bystander.create()
+        attacker, bystander = await raw(url, "attacker-key-0123456789"), await raw(url, "bystander-key-0123456789")
+        # two attacker sessions: with one, the engine would go on with its queue after the
+        # question's command (a lone session's rounds, up to command_burst x command_quantum_s)
+        sids_a, sid_b = [await attacker.create(), await attacker.create()], await bystander.create()
         ack = await bystander.request({"type": "input.text.append", "session_id": sid_b, "text": "The sky is blue."})
         assert ack["type"] == "input.ack", ack
         before = engine.snapshot_stats()
@@ -64,7 +67,7 @@ def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits
         held = engine.call(gate.wait, owner="gate")
         try:
             for i in range(n):
-                await attacker.send({"type": "input.text.append", "session_id": sid_a, "text": HUGE,
+                await attacker.send({"type": "input.text.append", "session_id": sids_a[i % 2], "text": HUGE,
                                      "event_id": f"h{i}"})
             await poll(lambda: engine.snapshot_stats()["queued_commands"] >= n, "the attacker's appends to queue")
             replies: list[dict] = []
@@ -77,6 +80,10 @@ def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits
             await bystander.send({"type": "query.create", "session_id": sid_b, "question": "What colour is the sky?",
                                   "max_tokens": 4, "event_id": "q"})
             await poll(lambda: engine.snapshot_stats()["queued_commands"] >= n + 1, "the question to queue")
+            # every one of them tokenized (the appends' refusals and the question) before the
+            # engine goes on: what is measured is the turns at the engine thread
+            await poll(lambda: engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"]
+                       >= n + 1, "the tokenizer's workers")
         finally:
             gate.set()
         held.result(60)
@@ -88,10 +95,11 @@ def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits
             # refused after tokenizing a prefix of a few characters per token of the window
             counted = int(error["message"].split("counted in its first ")[1].split()[0])
             assert counted <= 16 * engine.context_window < len(HUGE) // 4, error
-        await attacker.still_serving(sid_a)
+        await attacker.still_serving(sids_a[0])
         return done, before, after
 
-    done, before, after = serve(engine, test)
+    done, before, after = serve(engine, test, api_keys=ApiKeys({"attacker": "attacker-key-0123456789",
+                                                                "bystander": "bystander-key-0123456789"}))
     # fairness, in commands: the bystander's question waited for one turn of the attacker at most
     assert done["timing"]["commands_waited"] <= bound(engine), done["timing"]
     # (each refusal now costs a bounded prefix, so the attacker's replies may all come first)
