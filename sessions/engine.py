@@ -20,7 +20,9 @@ of it. While only one session has commands waiting, rounds go on (up to `command
 `command_quantum_s` of command time): a fast feed's queued inputs are read together. The text of inputs and questions is tokenized before the engine thread, by the
 tokenizer's workers (`tokenizer_threads`, served from a FairQueue the same way); the command
 waits in its session's queue until its tokens are ready, then checks their size on the engine
-thread (O(1)), so an input refused for size never costs the engine thread a tokenization.
+thread (O(1)), so an input refused for size never costs the engine thread a tokenization. An
+input's text is tokenized in growing prefixes (`bounded_tokens`): one whose prefix already has
+more tokens than the model's window is refused without tokenizing the rest of it.
 
 The commands themselves live beside the jobs they make: input in `jobs`, questions in `query`,
 flash questions in `flash`, windows in `window`, thinking in `thinking`, rules and policies in
@@ -40,7 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from . import actions, background, flash, jobs, session as session_commands, thinking, window
-from .errors import Code, EngineError, EngineStopped, InvalidRequest, SessionNotFound
+from .errors import Code, ContextOverflow, EngineError, EngineStopped, InvalidRequest, SessionNotFound
 from .futures import chain, settle
 from .jobs import Job, Lanes
 from .memory import Memory
@@ -459,6 +461,44 @@ def snapshot_stats(core: EngineCore) -> dict:
             "tokenized_off_engine": s.tokenized_off_engine, "tokenized_on_engine": s.tokenized_on_engine}
 
 
+@dataclass(slots=True, frozen=True)
+class TooLong:
+    """What `bounded_tokens` returns for a text longer than any input can be: a prefix of
+    `chars` characters already has more than `tokens` tokens."""
+    tokens: int
+    chars: int
+
+
+PREFIX_CHARS_PER_TOKEN = 4  # the first prefix tokenized: this many characters per token of the limit
+CUT_SLACK_TOKENS = 64  # a prefix's last word may be cut into more tokens than it has in the whole text
+
+
+def bounded_tokens(tokenize: Callable[[str], list[int]], text: str, limit: int) -> list[int] | TooLong:
+    """`tokenize(text)`, or `TooLong` once a prefix of it shows it has more than `limit` tokens:
+    prefixes of 4, 8, 16, ... characters per token of `limit` are tokenized until one has more
+    than `limit` tokens beyond a slack for its cut (an over-long input costs a bounded prefix,
+    about 4-12 characters per token of the limit for prose, never its whole text) or the prefix
+    is the whole text (at most ~2x the work of one tokenization, for a text of very long tokens)."""
+    cut = PREFIX_CHARS_PER_TOKEN * (limit + CUT_SLACK_TOKENS)
+    while cut < len(text):
+        head = tokenize(text[:cut])
+        if len(head) > limit + limit // 16 + CUT_SLACK_TOKENS:
+            return TooLong(len(head) - CUT_SLACK_TOKENS, cut)
+        cut *= 2
+    return tokenize(text)
+
+
+def input_tokens(core: EngineCore, session_id: str, tokens: list[int] | TooLong) -> list[int]:
+    """An input's tokens from `bounded_tokens`, or its refusal (on the engine thread, O(1))."""
+    if isinstance(tokens, TooLong):
+        core.writable(session_id)  # a missing or ended session is refused as such first
+        raise ContextOverflow(
+            f"input of more than {tokens.tokens} tokens (counted in its first {tokens.chars} characters) "
+            f"does not fit session {session_id}: no input can be longer than the context window of "
+            f"{core.context_window} tokens")
+    return tokens
+
+
 def _command(fn: Callable, keyed: bool = True) -> Callable:
     """A command of the core (a function taking the EngineCore first) as an Engine method: it
     runs on the engine thread and returns a Future of its result. `then` is attached to the
@@ -618,8 +658,10 @@ class Engine:
         and the command runs (and checks its size) once its tokens are ready."""
         if self._thread is None:
             return self.call(lambda: jobs.append(self.core, session_id, text, evict_first), then, session_id)
-        tokens = self._tokenize(session_id, lambda: self.runner.tokenize(text))
-        return self.call(lambda: jobs.append(self.core, session_id, text, evict_first, tokens=tokens.result()),
+        limit = self.context_window
+        tokens = self._tokenize(session_id, lambda: bounded_tokens(self.runner.tokenize, text, limit))
+        return self.call(lambda: jobs.append(self.core, session_id, text, evict_first,
+                                             tokens=input_tokens(self.core, session_id, tokens.result())),
                          then, session_id, ready=tokens)
 
     def revise(self, session_id: str, text: str, from_seq: int | None = None, evict_first: list[int] | None = None,
@@ -627,9 +669,11 @@ class Engine:
         """`jobs.revise`, its text tokenized like `append`'s."""
         if self._thread is None:
             return self.call(lambda: jobs.revise(self.core, session_id, text, from_seq, evict_first), then, session_id)
-        tokens = self._tokenize(session_id, lambda: self.runner.tokenize(text))
+        limit = self.context_window
+        tokens = self._tokenize(session_id, lambda: bounded_tokens(self.runner.tokenize, text, limit))
         return self.call(lambda: jobs.revise(self.core, session_id, text, from_seq, evict_first,
-                                             tokens=tokens.result()), then, session_id, ready=tokens)
+                                             tokens=input_tokens(self.core, session_id, tokens.result())),
+                         then, session_id, ready=tokens)
 
     def query(self, session_id: str, question: str, params: SamplingParams | None = None,
               on_delta: Callable[[str], None] | None = None, query_id: str | None = None,

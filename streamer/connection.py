@@ -16,6 +16,8 @@ shutdown check. Sockets are counted per client address, per API key and in all b
 `ConnectionGate` (the caps are checked at the handshake).
 Backpressure: reading pauses while the client's commands wait on the engine beyond
 `max_inflight`, or its undelivered events pass the outbox's high watermark.
+Idle connections and slow consumers are found by one timer each per connection (`check_idle`,
+`Outbox.check_slow`), never by polling, so thousands of idle connections cost no CPU.
 """
 
 from __future__ import annotations
@@ -315,6 +317,7 @@ class Connection:
         if isinstance(ws, LenientConnection):
             ws.meter = self.meter
         self.last_message = time.monotonic()
+        self.idle_timer: asyncio.TimerHandle | None = None  # see check_idle
         self.tasks: set[asyncio.Task] = set()
         if cfg.send_buffer_bytes and ws.transport is not None:
             sock = ws.transport.get_extra_info("socket")
@@ -369,23 +372,27 @@ class Connection:
                 self.paused_at = None
             self.reading.set()
 
-    async def watchdog(self) -> None:
-        """Slow consumers and idle connections, checked a few times a second."""
+    def check_idle(self) -> None:
+        """The idle timer: close a connection with no session or subscription that sent nothing
+        for `idle_timeout_s`; otherwise check again when that could next be true. One timer per
+        connection, firing at most once per `idle_timeout_s` (a poll a few times a second per
+        connection cost the event loop CPU at thousands of idle connections)."""
+        self.idle_timer = None
+        if self.outbox.dropping is not None:
+            return
         cfg, peer = self.config, self.peer
-        while self.outbox.dropping is None:
-            await asyncio.sleep(min(0.25, cfg.slow_consumer_s / 4, cfg.idle_timeout_s / 4))
-            now = time.monotonic()
-            self.outbox.check_slow(now)
-            if (self.outbox.dropping is None and not peer.sessions and not peer.subscriptions
-                    and now - self.last_message > cfg.idle_timeout_s):
-                self.outbox.drop("idle_timeout", f"no message for {cfg.idle_timeout_s:g} s and no session or "
-                                 "subscription", close_code=1000)
+        left = self.last_message + cfg.idle_timeout_s - time.monotonic()
+        if left <= 0 and not peer.sessions and not peer.subscriptions:
+            self.outbox.drop("idle_timeout", f"no message for {cfg.idle_timeout_s:g} s and no session or "
+                             "subscription", close_code=1000)
+            return
+        self.idle_timer = self.loop.call_later(left if left > 0 else cfg.idle_timeout_s, self.check_idle)
 
     # ---- the receive loop ------------------------------------------------------------------
 
     async def run(self) -> None:
         writer = self.loop.create_task(self.outbox.writer())
-        watchdog = self.loop.create_task(self.watchdog())
+        self.idle_timer = self.loop.call_later(self.config.idle_timeout_s, self.check_idle)
         try:
             while True:
                 if not self.reading.is_set():  # backpressure; a close still ends the wait
@@ -401,7 +408,10 @@ class Connection:
                 if self.outbox.dropping is None:
                     await self.receive(frame)
         finally:
-            watchdog.cancel()
+            if self.idle_timer is not None:
+                self.idle_timer.cancel()
+                self.idle_timer = None
+            self.outbox.stop_timer()
             if self.outbox.dropping is None:
                 writer.cancel()
             else:  # let the writer tell the client why, then close

@@ -17,9 +17,12 @@ have landed: a stalled Redis) stays *pending*, and is settled before the next ch
 retry loop once the store answers: an applied record is written again (a no-op if it landed);
 an unapplied one was answered `store_unavailable` (not applied), so it never takes effect: its
 position is fenced with a `void` record, or, if it landed after all, a `void` record right after
-it cancels it (replay skips both), and its resend is a new input. After a failure, the changes already queued
-behind it fail too, and later inputs above the failed client_seq are refused until it is
-resent, so the client_seq high-water mark moves only with durable writes, in order.
+it cancels it (replay skips both), and its resend is a new input. A logged-first input the
+engine refused for its size or memory (`context_overflow`, `kv_budget_exceeded`: another worker
+might accept it) is voided the same way, so replay skips it as the live session did. After a
+failure, the changes already queued behind it fail too, and later inputs above the failed
+client_seq are refused until it is resent, so the client_seq high-water mark moves only with
+durable writes, in order.
 
 A store that lost a session (Redis restarted empty: StoreLost) gets it back: this worker
 re-claims it and re-writes its log from the copy kept in memory (`relog_max_bytes` per session;
@@ -54,6 +57,9 @@ DEFAULT_CHECKPOINT_MIN_RECORDS = 16  # ... and after a window slide once this ma
 MIRROR_SLOT_BYTES = 24  # per record of the log copy beyond its bytes object: list slot, list growth, rounding
 SETTLE_RETRY_S = 0.5
 DUPLICATE = object()  # what `first` resolves to for an input that turned out to be in the log already
+# Engine refusals of a logged-first change that another worker (other limits, more memory) might
+# not repeat: the record is voided (a `void` record after it), so replay skips it, as live did
+VOIDED_REFUSALS = frozenset({Code.CONTEXT_OVERFLOW, Code.KV_BUDGET_EXCEEDED})
 
 
 def unavailable(message: str, recoverable: bool = True) -> EngineError:
@@ -236,6 +242,24 @@ class LogWriter:
         self.counters["log_fenced"] += 1
         pipe.pending = None
 
+    async def void_refused(self, sid: str, pipe: Pipe, rid: str) -> None:
+        """The engine refused a logged record (VOIDED_REFUSALS): a `void` record after it makes
+        replay skip it. A write that fails stays pending, written before anything else."""
+        data, void_rid = Void(ts=time.time(), rid_of=rid).to_json(), _rid()
+        async with pipe.lock:
+            if pipe.closed:
+                return
+            try:
+                await self.settle(sid, pipe)
+                await self.write(sid, pipe, data, void_rid)
+            except EngineError as exc:
+                if pipe.pending is None and exc.recoverable and exc.code != Code.MOVED:
+                    pipe.pending = Pending(pipe.next_n, void_rid, data, True)
+                    self.retry(sid, pipe)
+                log.warning("session %s: the void of a refused input is not logged yet (%s)", sid, exc.message)
+                return
+            self.counters["log_voided_refused"] += 1
+
     async def holder(self, sid: str, n: int) -> str | None:
         try:
             record = await self.store.record_at(sid, n)
@@ -367,7 +391,8 @@ class EventLog:
         self.pipes: dict[str, Pipe] = {}
         self.writes: set[asyncio.Task] = set()
         self.counters = {"log_records": 0, "log_errors": 0, "log_settled": 0, "log_fenced": 0, "log_voided_late": 0,
-                         "relogged": 0, "checkpoints": 0, "checkpoint_errors": 0, "log_compacted": 0}
+                         "log_voided_refused": 0, "relogged": 0, "checkpoints": 0, "checkpoint_errors": 0,
+                         "log_compacted": 0}
         self.on_lost: Callable[[str, dict], None] | None = None  # set by the Resumer: drop a session here
         self.writer = LogWriter(store, directory, relog_max_bytes, self.counters, self.lose)
         # without an engine (tools, tests of the log alone) no checkpoints are taken
@@ -585,10 +610,17 @@ class EventLog:
 
     async def _first(self, sid: str, pipe: Pipe, index: int, record: Record, apply, client_seq):
         try:
-            fut = await self._log_then_apply(sid, pipe, index, record, apply, client_seq)
+            fut, rid = await self._log_then_apply(sid, pipe, index, record, apply, client_seq)
         finally:
             self._pass(pipe)
-        return fut if fut is DUPLICATE else await asyncio.wrap_future(fut)
+        if fut is DUPLICATE:
+            return fut
+        try:
+            return await asyncio.wrap_future(fut)
+        except EngineError as exc:
+            if exc.code in VOIDED_REFUSALS:
+                await self.writer.void_refused(sid, pipe, rid)
+            raise
 
     async def _log_then_apply(self, sid: str, pipe: Pipe, index: int, record: Record, apply, client_seq):
         async with pipe.lock:
@@ -602,7 +634,7 @@ class EventLog:
                 tracked = self.directory.get(sid)
                 if client_seq is not None and tracked is not None and client_seq <= tracked.acked_client_seq:
                     self.directory.duplicates += 1
-                    return DUPLICATE  # the settled write was this input: it is in the log and applied
+                    return DUPLICATE, None  # the settled write was this input: it is in the log and applied
                 await self.writer.write(sid, pipe, data, rid, client_seq)
             except EngineError as exc:
                 if pipe.pending is None and exc.recoverable and exc.code != Code.MOVED:
@@ -612,7 +644,7 @@ class EventLog:
                 raise
             if client_seq is not None and pipe.resend_from == client_seq:
                 pipe.resend_from = None
-            return apply()  # in log order: the engine queues it behind the earlier changes
+            return apply(), rid  # in log order: the engine queues it behind the earlier changes
 
     async def _after(self, sid: str, pipe: Pipe, index: int, call, record_of):
         async with pipe.lock:

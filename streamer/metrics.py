@@ -49,6 +49,7 @@ DURABILITY = {
     "log_settled": "Failed log writes of applied changes settled later (written again)",
     "log_fenced": "Failed log writes fenced with a void record (never applied)",
     "log_voided_late": "Timed-out log writes of unapplied inputs that landed later and were voided (never applied)",
+    "log_voided_refused": "Logged inputs the engine refused (context_overflow, kv_budget_exceeded), voided so replay skips them",
     "relogged": "Sessions re-claimed and re-written into a store that had lost them",
     "checkpoints": "Checkpoints written into session event logs (the window's state and K/V)",
     "checkpoint_errors": "Checkpoints that failed (the next records try again)",

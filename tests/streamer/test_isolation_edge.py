@@ -236,3 +236,29 @@ def test_the_message_budget_is_shared_fairly(engine):
 
     serve(engine, test, server_messages_per_s=40, server_messages_burst=40, messages_per_s=1000,
           messages_burst=1000, refused_burst=100_000, refused_per_s=100_000)
+
+
+# ---- idle connections cost no CPU ------------------------------------------------------------
+
+def test_idle_connections_arm_no_timer_that_fires_within_a_second(engine):
+    """Idle-connection and slow-consumer checks are one timer per connection, due when the
+    condition could first hold (`idle_timeout_s`, `slow_consumer_s` after congestion), not a
+    poll: with 600 idle connections open, the event loop has almost nothing due in the next
+    second (a poll every 0.25 s per connection put 600 wakeups there, 2,400 a second). That the
+    timers still close (test_limits::test_idle_timeout) and drop (::test_slow_consumer_is_dropped)
+    is tested there."""
+    n = 600
+
+    async def test(url, server):
+        loop = asyncio.get_running_loop()
+        held = [Raw(await connect(url, max_size=None, ping_interval=None)) for _ in range(n)]
+        await until(lambda: len(server.connections) >= n, 30, "the connections to be served")
+        await asyncio.sleep(0.5)  # past any start-up work of the connections
+        now = loop.time()
+        due = [h for h in loop._scheduled if not h.cancelled() and h.when() < now + 1.0]
+        assert len(due) < 30, (len(due), due[:5])
+        assert server.edge["idle_closed"] == 0
+        for peer in held:
+            await peer.ws.close()
+
+    serve(engine, test, idle_timeout_s=120.0, max_connections_per_address=n + 10)

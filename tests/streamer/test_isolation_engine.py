@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from streamer.sessions.engine import Engine, EngineLimits
+from streamer.auth import ApiKeys
+from streamer.sessions.engine import Engine, EngineLimits, TooLong, bounded_tokens
 from streamer.sessions.errors import EngineError
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.runner import ModelRunner
@@ -53,38 +54,55 @@ def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits
     n = 24
 
     async def test(url, server):
-        attacker, bystander = await raw(url), await raw(url)
-        sid_a, sid_b = await attacker.create(), await bystander.create()
+        attacker, bystander = await raw(url, "attacker-key-0123456789"), await raw(url, "bystander-key-0123456789")
+        # two attacker sessions: with one, the engine would go on with its queue after the
+        # question's command (a lone session's rounds, up to command_burst x command_quantum_s)
+        sids_a, sid_b = [await attacker.create(), await attacker.create()], await bystander.create()
         ack = await bystander.request({"type": "input.text.append", "session_id": sid_b, "text": "The sky is blue."})
         assert ack["type"] == "input.ack", ack
         before = engine.snapshot_stats()
-        for i in range(n):
-            await attacker.send({"type": "input.text.append", "session_id": sid_a, "text": HUGE, "event_id": f"h{i}"})
-        # the attacker's appends are queued at the engine (waiting for their tokens, or for the
-        # engine thread itself on the old code) before the bystander asks
-        await poll(lambda: engine.snapshot_stats()["queued_commands"] >= n // 2, "the attacker's appends to queue")
-        replies: list[dict] = []
+        # the engine thread is held while the attacker's appends queue (waiting for their tokens,
+        # or for the engine thread itself on the old code), then the bystander asks behind them
+        gate = threading.Event()
+        held = engine.call(gate.wait, owner="gate")
+        try:
+            for i in range(n):
+                await attacker.send({"type": "input.text.append", "session_id": sids_a[i % 2], "text": HUGE,
+                                     "event_id": f"h{i}"})
+            await poll(lambda: engine.snapshot_stats()["queued_commands"] >= n, "the attacker's appends to queue")
+            replies: list[dict] = []
 
-        async def read_attacker() -> None:
-            while len(replies) < n:
-                replies.append(await attacker.recv(120))
+            async def read_attacker() -> None:
+                while len(replies) < n:
+                    replies.append(await attacker.recv(120))
 
-        reader = asyncio.create_task(read_attacker())
-        await bystander.send({"type": "query.create", "session_id": sid_b, "question": "What colour is the sky?",
-                              "max_tokens": 4, "event_id": "q"})
+            reader = asyncio.create_task(read_attacker())
+            await bystander.send({"type": "query.create", "session_id": sid_b, "question": "What colour is the sky?",
+                                  "max_tokens": 4, "event_id": "q"})
+            await poll(lambda: engine.snapshot_stats()["queued_commands"] >= n + 1, "the question to queue")
+            # every one of them tokenized (the appends' refusals and the question) before the
+            # engine goes on: what is measured is the turns at the engine thread
+            await poll(lambda: engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"]
+                       >= n + 1, "the tokenizer's workers")
+        finally:
+            gate.set()
+        held.result(60)
         done = (await bystander.until("query.done"))[-1]
-        attacker_replies_before = len(replies)
         await asyncio.wait_for(reader, 180)
         after = engine.snapshot_stats()
         for reply in replies:
-            check_error(reply, "context_overflow")
-        await attacker.still_serving(sid_a)
-        return done, attacker_replies_before, before, after
+            error = check_error(reply, "context_overflow")
+            # refused after tokenizing a prefix of a few characters per token of the window
+            counted = int(error["message"].split("counted in its first ")[1].split()[0])
+            assert counted <= 16 * engine.context_window < len(HUGE) // 4, error
+        await attacker.still_serving(sids_a[0])
+        return done, before, after
 
-    done, attacker_replies_before, before, after = serve(engine, test)
+    done, before, after = serve(engine, test, api_keys=ApiKeys({"attacker": "attacker-key-0123456789",
+                                                                "bystander": "bystander-key-0123456789"}))
     # fairness, in commands: the bystander's question waited for one turn of the attacker at most
     assert done["timing"]["commands_waited"] <= bound(engine), done["timing"]
-    assert attacker_replies_before < n // 2, attacker_replies_before
+    # (each refusal now costs a bounded prefix, so the attacker's replies may all come first)
     # no refused append (nor the question) was tokenized on the engine thread
     assert after["tokenized_on_engine"] == before["tokenized_on_engine"], (before, after)
     assert after["tokenized_off_engine"] - before["tokenized_off_engine"] >= n + 1, (before, after)
@@ -167,3 +185,69 @@ def test_a_lone_fast_feed_is_read_together_not_a_turn_a_step(engine):
     assert after["commands"] - before["commands"] == rows + 1
     assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])  # was 3: 8 rows a step
     engine.close_session(sid).result(30)
+
+
+def test_an_over_long_text_is_refused_after_tokenizing_a_bounded_prefix(tokenizer):
+    """`bounded_tokens` tokenizes growing prefixes: an input far over the limit costs a prefix
+    of a few characters per token of the limit; one that fits (or barely does not) is tokenized
+    whole, exactly as `tokenize` would."""
+    read: list[int] = []
+
+    def tokenize(text: str) -> list[int]:
+        read.append(len(text))
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    limit = 2048
+    too_long = bounded_tokens(tokenize, HUGE, limit)
+    assert isinstance(too_long, TooLong) and too_long.tokens > limit, too_long
+    assert sum(read) <= 12 * (limit + 64) < len(HUGE) // 8, read  # ~8 Ki of ~250 Ki characters
+    for text in ("The sky is blue.", "word " * limit, "word " * (limit - 1), "a" * 20_000):
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        got = bounded_tokens(tokenize, text, limit)
+        if len(whole) <= limit:
+            assert got == whole
+        else:  # refused by a prefix, or tokenized whole: either way over the limit
+            assert (got.tokens if isinstance(got, TooLong) else len(got)) > limit
+
+
+def test_a_refused_over_long_input_is_skipped_when_the_session_is_replayed(engine, tmp_path):
+    """An input is logged before the engine reads it; one the engine refused for its size
+    (`context_overflow`) is voided in the log, so a restart's replay skips it instead of
+    failing the resume, and the session comes back as it was."""
+    store = str(tmp_path / "state")
+
+    async def first(url, server):
+        peer = await raw(url)
+        created = await peer.request({"type": "session.create"})
+        sid = created["session_id"]
+        for seq, text in ((1, "The sky is blue."), (2, HUGE), (3, "The door is red.")):
+            reply = await peer.request({"type": "input.text.append", "session_id": sid, "text": text,
+                                        "client_seq": seq})
+            if seq == 2:
+                check_error(reply, "context_overflow")
+            else:
+                assert reply["type"] == "input.ack", reply
+        state = await peer.request({"type": "session.get", "session_id": sid})
+        return created, state, await server.store.read_log(sid)
+
+    created, before, records = serve(engine, first, store_url=store)
+    sid = created["session_id"]
+    assert [r["kind"] for r in records].count("void") == 1, records
+
+    async def second(url, server):
+        peer = await raw(url)
+        resumed = await peer.request({"type": "session.resume", "session_id": sid,
+                                      "token": created["tokens"]["producer"]})
+        assert resumed["type"] == "session.resumed", resumed
+        state = await peer.request({"type": "session.get", "session_id": sid})
+        ack = await peer.request({"type": "input.text.append", "session_id": sid, "text": "The sea is calm.",
+                                  "client_seq": 4})
+        assert ack["type"] == "input.ack", ack
+        await peer.request({"type": "session.close", "session_id": sid})
+        return resumed, state
+
+    resumed, after = serve(engine, second, store_url=store)
+    assert resumed["last_client_seq"] == 3, resumed
+    for field in ("tokens", "data_version", "seq"):
+        if field in before:
+            assert after[field] == before[field], (field, before, after)
