@@ -426,6 +426,12 @@ class EventLog:
                     await self.writer.relog(sid, pipe)
                 except (EngineError, StoreError, OSError, ConnectionError) as exc:
                     log.warning("re-writing the log of session %s after the store restarted: %s", sid, exc)
+                    continue
+            if self.checkpointer is not None and pipe.checkpoint_blob is not None:
+                # the re-written log names a checkpoint whose K/V blob went with the store: a new
+                # checkpoint (blob and record) makes the log replayable again
+                pipe.since_checkpoint = max(pipe.since_checkpoint, 1)
+                await self.checkpointer.run(sid, pipe)
 
     def spawn(self, coro) -> asyncio.Task:
         """A change or store write owned by the log, not by a connection (it survives the client)."""

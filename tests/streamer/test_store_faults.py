@@ -212,31 +212,49 @@ def test_store_faults_then_kill9_replays_every_acked_input(tmp_path):
         redis.close()
 
 
-def test_a_store_restarted_empty_gets_the_logs_back_with_no_new_input(tiny_engine, tmp_path):
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["no-checkpoint", "checkpointed"])
+def test_a_store_restarted_empty_gets_the_logs_back_with_no_new_input(tiny_engine, tmp_path, checkpoints):
     """Redis restarts empty after the last acked input and no input follows: the worker's next
     heartbeat finds itself forgotten and re-writes the logs of its sessions from memory, so a
-    second worker still replays every acked input (durability does not wait for a next write)."""
+    second worker still replays every acked input (durability does not wait for a next write).
+    With checkpoints (one after the 3 inputs here, the last record) the re-written log names a
+    checkpoint whose K/V blob went with Redis: the worker takes a new checkpoint, so the log
+    replays."""
     redis = PrivateRedis(tmp_path)
+    every = {"checkpoint_records": 3, "checkpoint_min_records": 3} if checkpoints else {"checkpoint_records": 0}
 
     async def main():
         await redis.ready()
         url = f"redis://127.0.0.1:{redis.port}/0?socket_timeout=0.5&socket_connect_timeout=0.5"
-        a = await StreamerServer(tiny_engine, ServerConfig(port=0, store_url=url, worker_id="a")).start()
+        a = await StreamerServer(tiny_engine, ServerConfig(port=0, store_url=url, worker_id="a", **every)).start()
         try:
             peer = await raw(f"ws://127.0.0.1:{a.port}")
             created = await peer.request({"type": "session.create", "system_prompt": SYSTEM})
             sid, token = created["session_id"], created["tokens"]["producer"]
             await stream(peer, sid, CHUNKS[:3])
             live = await ask(peer, sid)
+            if checkpoints:
+                async def checkpointed():
+                    task = a.events.pipes[sid].checkpointing
+                    return (a.events.counters["checkpoints"] == 1 and task is not None and task.done()) or None
+
+                await until(checkpointed, 30, "the checkpoint after the third input")
+                before = a.events.counters["checkpoints"]
             redis.kill()
             redis.start()
             await redis.ready()
 
+
             async def rewritten():
                 try:
-                    return len(await a.store.read_log(sid)) == 4 or None
+                    records = await a.store.read_log(sid)
                 except Exception:
                     return None
+                if not checkpoints:
+                    return len(records) == 4 or None
+                marks = [r for r in records if r.get("kind") == "checkpoint"]
+                return (a.events.counters["checkpoints"] > before and bool(marks)
+                        and await a.store.get_blob(marks[-1]["blob"]) is not None) or None
 
             await until(rewritten, 30, "the worker to re-write the lost log")
             assert a.events.counters["relogged"] == 1
