@@ -10,6 +10,12 @@ worker processes (tiny seeded model) sharing a Redis under a key prefix of this 
   client came back); no acknowledged input is lost or doubled in the logs; answers equal those
   of a control session that saw the same input and never moved; flash answers keep coming, to
   the producer and to a read-only watcher that re-subscribed through the same URL.
+- The workers publish to the real Mosquitto under a topic prefix of this run's own. After the
+  kill, before any client is back, the adopting worker publishes the moved sessions' retained
+  MQTT state and writes their dashboard snapshots (Redis, and `sessions.list` through the
+  proxy) as their new owner, detached; later the flash answers and the action chunks of a
+  session whose client came back and started its actions again go on over MQTT from it, and
+  the snapshots follow the rows sent after the failover.
 """
 
 import asyncio
@@ -23,6 +29,8 @@ import uuid
 import pytest
 from redisutil import redis_server  # noqa: F401  (fixture)
 from wsutil import raw
+
+from mqttutil import clear_retained
 
 from streamer.clients.failover import ClusterSession, ClusterWatcher, routed_url
 from streamer.adoption import route_key
@@ -44,15 +52,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server):  # noqa: F811
+def cluster(redis_server, broker):  # noqa: F811
     import redis
 
     prefix = f"streamer-cluster-{uuid.uuid4().hex[:8]}"
     with LocalCluster(3, f"redis://{redis_server}/0?prefix={prefix}", f"127.0.0.1:{free_port()}",
-                      ["--model", "tiny", "--threads", "1", "--detach-ttl", "600"]) as c:
+                      ["--model", "tiny", "--threads", "1", "--detach-ttl", "600",
+                       "--mqtt", broker, "--mqtt-prefix", prefix]) as c:
         c.redis = redis.Redis.from_url(f"redis://{redis_server}/0", decode_responses=True)
         c.prefix = prefix
+        c.broker = broker
         yield c
+    asyncio.run(clear_retained(broker, prefix))
     keys = list(c.redis.scan_iter(f"{prefix}:*"))
     if keys:
         c.redis.delete(*keys)
@@ -61,6 +72,65 @@ def cluster(redis_server):  # noqa: F811
 
 def owner(cluster, sid: str) -> str:
     return cluster.redis.get(f"{cluster.prefix}:owner:{sid}")
+
+
+def snapshot(cluster, sid: str) -> dict | None:
+    text = cluster.redis.get(f"{cluster.prefix}:snap:{sid}")
+    return None if text is None else json.loads(text)
+
+
+class MqttTap:
+    """Every message the workers publish under the cluster's MQTT prefix, as (topic leaf, session
+    id, message), collected in the background from a real subscriber."""
+
+    def __init__(self, cluster) -> None:
+        self.prefix, self.broker = cluster.prefix, cluster.broker
+        self.messages: list[tuple[str, str, dict]] = []
+        self.subscribed = asyncio.Event()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        import aiomqtt
+
+        from streamer.mqtt import parse_url
+
+        host, port = parse_url(self.broker)
+        async with aiomqtt.Client(host, port) as client:
+            await client.subscribe(f"{self.prefix}/sessions/#", qos=1)
+            self.subscribed.set()
+            async for message in client.messages:
+                if message.payload:
+                    parts = str(message.topic).split("/")
+                    self.messages.append((parts[-1], parts[-2], json.loads(message.payload)))
+
+    async def until(self, match, timeout: float = 60) -> tuple[str, str, dict]:
+        """The first message (seen so far or to come) that `match(leaf, sid, message)` accepts."""
+        async def wait():
+            seen = 0
+            while True:
+                for m in self.messages[seen:]:
+                    if match(*m):
+                        return m
+                seen = len(self.messages)
+                await asyncio.sleep(0.1)
+
+        return await asyncio.wait_for(wait(), timeout)
+
+    async def close(self) -> None:
+        self.task.cancel()
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            pass
+
+
+async def listed(cluster) -> dict[str, dict]:
+    """The dashboard's session list through the proxy (any worker answers): {session id: snapshot}."""
+    peer = await raw(cluster.url)
+    reply = await peer.request({"type": "sessions.list"})
+    await peer.ws.close()
+    assert reply["type"] == "sessions", reply
+    return {snap["session_id"]: snap for snap in reply["sessions"]}
 
 
 def logged_client_seqs(cluster, sid: str) -> list[int]:
@@ -123,6 +193,15 @@ def test_kill9_failover_through_the_same_url(cluster):
 
 
 async def _failover(cluster):
+    tap = MqttTap(cluster)
+    await asyncio.wait_for(tap.subscribed.wait(), 10)
+    try:
+        await _kill_and_check(cluster, tap)
+    finally:
+        await tap.close()
+
+
+async def _kill_and_check(cluster, tap):
     sessions = [await ClusterSession.create(cluster.url, session_id=f"feed-{i}", system_prompt=SYSTEM,
                                             flash=[dict(q) for q in FLASH]) for i in range(9)]
     for row in ROWS[:4]:
@@ -142,6 +221,24 @@ async def _failover(cluster):
             await asyncio.sleep(0.2)
 
     await asyncio.wait_for(adopted(), 60)
+    adopters = {s.id: owner(cluster, s.id) for s in moving}
+    # MQTT and dashboards go on from the adopter before any client is back: its retained state
+    # says so, and the snapshot in Redis and in the dashboard's list names it, detached
+    for s in moving:
+        await tap.until(lambda leaf, sid, m, s=s: leaf == "state" and sid == s.id
+                        and m["worker"] == adopters[s.id] and m["status"] == "detached")
+
+    async def snapshots_moved():
+        while True:
+            snaps = {s.id: snapshot(cluster, s.id) for s in moving}
+            if all(snap and snap["owner"] == adopters[sid] and snap["detached"] for sid, snap in snaps.items()):
+                return
+            await asyncio.sleep(0.2)
+
+    await asyncio.wait_for(snapshots_moved(), 60)
+    dashboard = await listed(cluster)
+    for s in moving:
+        assert dashboard[s.id]["owner"] == adopters[s.id] and dashboard[s.id]["last_client_seq"] == 4, dashboard[s.id]
     for s in moving:
         assert s.reconnects == 0  # nobody has touched them yet
 
@@ -192,6 +289,37 @@ async def _failover(cluster):
                 return event
 
     assert (await asyncio.wait_for(pushed(), 60))["session_id"] == watched.id
+    # the same flash answer went out over MQTT, from the adopter
+    await tap.until(lambda leaf, sid, m: leaf == "flash" and sid == watched.id and m["type"] == "flash.updated"
+                    and m["flash_id"] == flash["flash_id"])
+
+    # the dashboards follow the rows sent after the failover, from the new owners
+    async def snapshots_current():
+        while True:
+            snaps = {s.id: snapshot(cluster, s.id) for s in moving}
+            if all(snap["owner"] == adopters[sid] and snap["last_client_seq"] == len(ROWS) and not snap["detached"]
+                   for sid, snap in snaps.items()):
+                return
+            await asyncio.sleep(0.2)
+
+    await asyncio.wait_for(snapshots_current(), 60)
+    dashboard = await listed(cluster)
+    assert all(dashboard[s.id]["owner"] == adopters[s.id] and dashboard[s.id]["last_client_seq"] == len(ROWS)
+               for s in moving), {s.id: dashboard[s.id] for s in moving}
+
+    # actions are not replayed: the client that came back starts them again and sends an
+    # observation; the chunks go out over MQTT from the adopter, its retained state counts them
+    started = await watched.session.client.request({"type": "action.start", "session_id": watched.id, "dt_ms": 20,
+                                                     "horizon": 5, "mode": "async_rollforward"})
+    assert started["type"] == "action.started", started
+    await watched.append('{"target": [1.0, 0.5]}')  # an observation: the policy's input
+    _, _, chunk = await tap.until(lambda leaf, sid, m: leaf == "actions" and sid == watched.id
+                                  and m["type"] == "action.chunk")
+    await tap.until(lambda leaf, sid, m: leaf == "state" and sid == watched.id and m["worker"] == adopters[sid]
+                    and m["status"] == "live" and m.get("last_action_seq", 0) >= chunk["seq"])
+    stopped = await watched.session.client.request({"type": "action.stop", "session_id": watched.id})
+    assert stopped["type"] == "action.stopped", stopped
+
     await watcher.close()
     for s in [*sessions, control]:
         await s.close()
