@@ -30,7 +30,7 @@ async def settled_flash(peer, sid):
             return {q["flash_id"]: q.get("answer") for q in state["flash"]}
         return None
 
-    return await until(reached, 60, "flash answers of the current data_version")
+    return await until(reached, 240, "flash answers of the current data_version")
 
 
 def snapshot(engine, sid):
@@ -124,7 +124,7 @@ def test_dual_thinking_session_restores_its_notes(tiny_engine, tmp_path):
                                       "client_seq": i + 1})
             assert ack["type"] == "input.ack", ack
         await settled_flash(peer, sid)
-        units = await until(lambda: _notes_done(tiny_engine, sid), 60, "the notes")
+        units = await until(lambda: _notes_done(tiny_engine, sid), 240, "the notes")
         assert units >= 1
         pipe = server.events.pipes[sid]
         if pipe.checkpointing is not None:  # one the window's slides started: let it finish
