@@ -28,12 +28,13 @@ class ReplayError(EngineError):
 @dataclass(slots=True, kw_only=True)
 class Record:
     kind: ClassVar[str] = "record"
+    not_logged: ClassVar[tuple[str, ...]] = ()  # fields set after loading (blobs), never written
     ts: float | None = None  # when it was logged
     n: int | None = None  # its position in the log (1-based), set by the store
     first: bool | None = None  # logged before it was applied (a refusal by the engine is replayed as one)
 
     def to_json(self) -> dict[str, Any]:
-        body = {k: v for k, v in asdict(self).items() if v is not None and k != "n"}
+        body = {k: v for k, v in asdict(self).items() if v is not None and k != "n" and k not in self.not_logged}
         return {"kind": self.kind, **body}
 
     @staticmethod
@@ -114,11 +115,7 @@ class Frame(Append):
     label: str | None = None  # text read right before the frame (its media time)
     media_s: float | None = None
     image: Any = None  # not logged: the blob's frame, set by `load_blobs`
-
-    def to_json(self) -> dict[str, Any]:
-        out = Append.to_json(self)
-        out.pop("image", None)
-        return out
+    not_logged: ClassVar[tuple[str, ...]] = ("image",)
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
         from streamer.sessions.multimodal import frame_input
@@ -238,11 +235,7 @@ class Checkpoint(Record):
     blob: str
     client_seq: int | None = None
     tensors: Any = None  # not logged: the blob's tensors, set by `load_blobs`
-
-    def to_json(self) -> dict[str, Any]:
-        out = Record.to_json(self)
-        out.pop("tensors", None)
-        return out
+    not_logged: ClassVar[tuple[str, ...]] = ("tensors",)
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
         from streamer.sessions.checkpoint import restore
