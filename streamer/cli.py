@@ -312,7 +312,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise CliError(f"--proxy-url: {exc}") from None
     preflight.serve(args)  # before anything slow: a start that cannot work fails in a second
     from streamer.server import ServerConfig, run_server
-    from streamer.store import StoreError
+    from streamer.store_base import StoreError
 
     log = logging.getLogger("streamer")
     if not keys.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):

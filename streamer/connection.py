@@ -34,6 +34,7 @@ from http import HTTPStatus
 
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame
+from websockets.protocol import State
 
 from streamer.sessions.errors import EngineError
 
@@ -41,7 +42,7 @@ from .handlers import HANDLERS, Await, Peer, Services
 from .outbox import Outbox
 from .protocol import Command, ProtocolError, ServerProtocol
 from .directory import Moved
-from .store import StoreError
+from .store_base import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -582,3 +583,27 @@ class Connection:
         for sid in list(peer.sessions):
             peer.stop_producing(engine, sid)
             detach(sid, peer.client)
+
+
+CLOSE_WAIT_S = 1.0  # at shutdown: how long a peer has to answer the close (1001) before its socket is cut
+
+
+async def going_away(connections, wait_s: float) -> None:
+    """Close each with 1001 (going away), all at once. A peer that has not finished the close
+    handshake within `wait_s` (it stopped reading, or never answers a close) has its TCP
+    connection aborted: shutdown never waits out websockets' own close timeouts (10 s for the
+    handshake, then 10 s more for the TCP close; an idle peer that never answered held a 10 s
+    grace period's SIGTERM for 21 s)."""
+    if not connections:
+        return
+    closing = [asyncio.ensure_future(c.ws.close(1001, "server shutting down")) for c in connections]
+    await asyncio.wait(closing, timeout=wait_s)
+    for c in connections:
+        if c.ws.state is not State.CLOSED and c.ws.transport is not None:
+            c.ws.transport.abort()
+    await asyncio.wait(closing, timeout=wait_s)  # an aborted socket's close returns at once
+    for task in closing:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # retrieved: a close that failed is a closed connection all the same

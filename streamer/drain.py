@@ -33,10 +33,15 @@ import hashlib
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from streamer.sessions.handoff import HandoffError, export_session, import_session
 
+from .connection import CLOSE_WAIT_S, going_away
 from .metrics import DRAIN
+
+if TYPE_CHECKING:
+    from .server import StreamerServer
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +55,14 @@ def new_counters() -> dict:
     return dict.fromkeys(DRAIN, 0)
 
 
-def drains(server) -> bool:
+def drains(server: StreamerServer) -> bool:
     """Whether SIGTERM drains this server: its store outlives it (file or Redis), so another (or
     a restarted) worker can take the sessions over."""
     return server.store.kind != "memory"
 
 
-async def drain(server, grace_s: float | None = None, reason: str = "the worker is shutting down") -> dict:
+async def drain(server: StreamerServer, grace_s: float | None = None, reason: str = "the worker is shutting down") -> dict:
     """Hand every session over and stop (the steps above). Returns what it did, for the log."""
-    from .server import CLOSE_WAIT_S, _going_away  # (the server module imports this one)
-
     grace_s = server.config.shutdown_grace_s if grace_s is None else grace_s
     start = time.monotonic()
     end = start + grace_s
@@ -68,7 +71,7 @@ async def drain(server, grace_s: float | None = None, reason: str = "the worker 
     # connections with no session, subscription or work close at once: nothing of theirs moves
     idle = [c for c in server.connections if not (c.inflight or c.outbox.bytes or c.peer.sessions
                                                   or c.peer.subscriptions)]
-    await _going_away(idle, min(CLOSE_WAIT_S, grace_s))
+    await going_away(idle, min(CLOSE_WAIT_S, grace_s))
     announce(server, end, reason)
     await _settle(server, min(deadline, time.monotonic() + SETTLE_S))
     server.shutting_down = True
@@ -82,7 +85,7 @@ async def drain(server, grace_s: float | None = None, reason: str = "the worker 
             "drain_s": round(time.monotonic() - start, 3)}
 
 
-def announce(server, until: float, reason: str) -> None:
+def announce(server: StreamerServer, until: float, reason: str) -> None:
     """`server.draining` to every connection: the seconds left and its sessions."""
     left = round(max(0.0, until - time.monotonic()), 3)
     for conn in list(server.connections):
@@ -90,12 +93,12 @@ def announce(server, until: float, reason: str) -> None:
                                    worker=server.store.worker_id, sessions=sorted(conn.peer.sessions) or None))
 
 
-async def _settle(server, until: float) -> None:
+async def _settle(server: StreamerServer, until: float) -> None:
     while any(c.inflight for c in server.connections) and time.monotonic() < until:
         await asyncio.sleep(0.02)
 
 
-async def hand_off(server, session_id: str, deadline: float) -> int:
+async def hand_off(server: StreamerServer, session_id: str, deadline: float) -> int:
     """Export `session_id` and close it here, store its blob and pointer, release it. Returns
     the blob's size, 0 when it could not be handed over (it stays here: stopping leaves its
     log to be replayed)."""

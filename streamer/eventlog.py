@@ -46,8 +46,8 @@ from typing import Any
 from streamer.sessions.errors import Code, EngineError
 
 from .directory import Directory, Moved
-from .records import Create, Record, Void
-from .store import Conflict, LogGap, NotOwner, Store, StoreError, StoreLost
+from .records import Checkpoint, Create, Record, Void
+from .store_base import Conflict, LogGap, NotOwner, Store, StoreError, StoreLost
 
 log = logging.getLogger(__name__)
 
@@ -353,8 +353,6 @@ class Checkpointer:
 
     async def _write(self, sid: str, pipe: Pipe, state: dict, tensors: dict) -> None:
         from streamer.sessions.checkpoint import pack
-
-        from .records import Checkpoint
 
         store, writer = self.events.store, self.events.writer
         digest, blob = await asyncio.to_thread(pack, tensors)

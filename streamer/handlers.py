@@ -28,11 +28,11 @@ from typing import Any
 from streamer.sessions.errors import Code, EngineError
 from streamer.sessions.sampling import PENALTY_KEYS, SamplingParams
 
+from .directory import Moved
 from .eventlog import DUPLICATE
 from .protocol import Command, ServerProtocol
 from .records import Append, Create, End, FlashRegister, FlashUnregister, Revise, Update
-from .resume import Moved
-from .store import StoreError
+from .store_base import StoreError
 
 # Session events a peer forwards to its producer and subscribers.
 PUBLIC_EVENTS = frozenset({"flash.updated", "flash.stale", "reasoning.delta", "reasoning.done", "action.chunk", "action.command"})

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from streamer.sessions.errors import EngineError
-from streamer.store import DEFAULT_RETENTION_S
+from streamer.store_base import DEFAULT_RETENTION_S
 
 if TYPE_CHECKING:
     from streamer.sessions.engine import Engine

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from streamer.sessions.errors import Code, EngineError
 
-from .store import HEARTBEAT_S, WORKER_TTL_S
+from .store_base import HEARTBEAT_S, WORKER_TTL_S
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from .store import (DEFAULT_RETENTION_S, Conflict, LogGap, NotOwner, Store, StoreError,
-                    StoreLost, _check_digest)
+from .store_base import (DEFAULT_RETENTION_S, Conflict, LogGap, NotOwner, Store, StoreError, StoreLost,
+                         _check_digest)
 
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
 LEASE_MARGIN_S = 0.5  # a lease is trusted until this long before the heartbeat key's TTL runs out
@@ -221,7 +221,7 @@ class RedisStore(Store):
         self._locks: dict[str, asyncio.Lock] = {}
         self._closed = False
         self._beaten = False  # a heartbeat has been written (a later one that finds none: forgotten)
-        self._lease_until = float("-inf")  # no beat yet (store.lease_lapsed)
+        self._lease_until = float("-inf")  # no beat yet (store_base.lease_lapsed)
 
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))

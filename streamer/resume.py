@@ -31,7 +31,7 @@ from .eventlog import EventLog
 from .records import Close, Create, client_seq_of
 from .recovery import applied, parse, replay
 from .snapshots import Snapshots
-from .store import Store, beat, lease_lapsed
+from .store_base import Store, beat, lease_lapsed
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,12 @@ from http import HTTPStatus
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
-from websockets.protocol import State
 from websockets.http11 import Request, Response
 
 from streamer.sessions.engine import Engine
 
 from .auth import ALL_SESSIONS, NO_SESSIONS, ApiKeys, key_from_request
-from .connection import Connection, ConnectionGate, LenientConnection, MessageBudget
+from .connection import CLOSE_WAIT_S, Connection, ConnectionGate, LenientConnection, MessageBudget, going_away
 from .directory import Directory
 from .drain import drain, drains
 from .eventlog import (DEFAULT_CHECKPOINT_MIN_RECORDS, DEFAULT_CHECKPOINT_RECORDS, DEFAULT_RELOG_MAX_BYTES,
@@ -40,12 +39,14 @@ from .handlers import Peer, Services
 from .media import MediaConfig, MediaHub
 from .metrics import EDGE_COUNTERS
 from .metrics import render as render_metrics
+from .mqtt import MqttBridge
 from .protocol import ProtocolLimits
 from .realtime import RealtimeConnection, is_realtime
 from .quotas import ClusterQuota
 from .resume import DEFAULT_DETACH_TTL_S, Resumer
 from .snapshots import DEFAULT_SNAPSHOT_INTERVAL_S, Snapshots
-from .store import heartbeat_loop, open_store
+from .store import open_store
+from .store_base import heartbeat_loop
 from .web import route as web_route
 
 log = logging.getLogger(__name__)
@@ -168,8 +169,6 @@ class StreamerServer:
     async def start(self) -> "StreamerServer":
         cfg = self.config
         if cfg.mqtt_url:
-            from .mqtt import MqttBridge
-
             self.mqtt = self.services.mqtt = await MqttBridge(self.engine, cfg.mqtt_url, cfg.mqtt_prefix,
                                                               worker_id=self.store.worker_id,
                                                               closed_retention_s=self.store.retention_s).start()
@@ -253,7 +252,7 @@ class StreamerServer:
         # Connections with nothing in flight and nothing left to send close at once, not at the
         # end of the grace period (nothing of theirs can finish: new commands are refused).
         idle = [c for c in self.connections if not c.inflight and not c.outbox.bytes]
-        await _going_away(idle, min(CLOSE_WAIT_S, grace_s))
+        await going_away(idle, min(CLOSE_WAIT_S, grace_s))
         while any(c.inflight for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         answers = await self._end_answers()
@@ -262,7 +261,7 @@ class StreamerServer:
         while any(c.outbox.bytes for c in self.connections) and time.monotonic() < flushed:
             await asyncio.sleep(0.02)  # let the writers deliver the last replies
         rest = [c for c in self.connections if c not in idle]
-        await _going_away(rest, CLOSE_WAIT_S)
+        await going_away(rest, CLOSE_WAIT_S)
         await self.stop()
         return {"connections": len(idle) + len(rest), "in_flight": pending, "answers_ended": answers,
                 "unfinished": unfinished}
@@ -433,30 +432,6 @@ def connection_gate(cfg: ServerConfig, edge: dict) -> ConnectionGate:
         log.warning("max_connections %d is above what the open-file limit %d allows; using %d",
                     cfg.max_connections, limit, total)
     return ConnectionGate(cfg.max_connections_per_address, cfg.max_connections_per_key, total, reset_at, edge)
-
-
-CLOSE_WAIT_S = 1.0  # at shutdown: how long a peer has to answer the close (1001) before its socket is cut
-
-
-async def _going_away(connections, wait_s: float) -> None:
-    """Close each with 1001 (going away), all at once. A peer that has not finished the close
-    handshake within `wait_s` (it stopped reading, or never answers a close) has its TCP
-    connection aborted: shutdown never waits out websockets' own close timeouts (10 s for the
-    handshake, then 10 s more for the TCP close; an idle peer that never answered held a 10 s
-    grace period's SIGTERM for 21 s)."""
-    if not connections:
-        return
-    closing = [asyncio.ensure_future(c.ws.close(1001, "server shutting down")) for c in connections]
-    await asyncio.wait(closing, timeout=wait_s)
-    for c in connections:
-        if c.ws.state is not State.CLOSED and c.ws.transport is not None:
-            c.ws.transport.abort()
-    await asyncio.wait(closing, timeout=wait_s)  # an aborted socket's close returns at once
-    for task in closing:
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled():
-            task.exception()  # retrieved: a close that failed is a closed connection all the same
 
 
 async def run_server(engine: Engine, config: ServerConfig,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from streamer.sessions.errors import EngineError
 
 from .directory import Directory, Tracked
-from .store import Store
+from .store_base import Store
 
 log = logging.getLogger(__name__)
 
