@@ -8,50 +8,21 @@ import json
 import time
 from pathlib import Path
 
-from streamer.cliargs import (CliError, bounded, fail, nonnegative_float, nonnegative_int, positive_int, read_text,
-                              ws_url)
+from streamer.cliargs import CliError, fail, nonnegative_float, nonnegative_int, positive_int, read_text
 from streamer.sessions.errors import Code
 
-from .client import ANSWER_STYLE, SYSTEM_PROMPT, StreamerClient, StreamerError
+from .client import SYSTEM_PROMPT, StreamerClient, StreamerError
+from .media import add_arguments as media_arguments
+from .media import stream_media
+from .options import answer_arguments, answer_options, url_argument
+from .robot import add_arguments as robot_arguments
+from .robot import run as run_robot
 
-DEFAULT_URL = "ws://127.0.0.1:8765"
 # When `client stream` asks over what has been read (query.create `over: "read"`) instead of
 # waiting for the session to read everything sent (docs/limits.md, "Sustainable ingest"): the
 # newest ack's lag_ms is over --lag-ms, or more inputs than this are unacknowledged.
 LAG_MS = 1000.0
 LAG_INPUTS = 4
-
-
-def url_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", type=ws_url, default=DEFAULT_URL, help="service URL (default: %(default)s)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help="API key for a service started with --api-keys-file (default: $STREAMER_API_KEY)")
-
-
-ANSWER_FLAGS = (
-    ("repetition_penalty", bounded(float, 0.0, 10.0, above=True),
-     "scale down tokens the answer already produced, in (0, 10] (default: 1, off)"),
-    ("presence_penalty", bounded(float, -2.0, 2.0), "subtract once from tokens the answer produced, in [-2, 2] (default: 0)"),
-    ("frequency_penalty", bounded(float, -2.0, 2.0),
-     f"subtract per time a token was produced, in [-2, 2] (default: {ANSWER_STYLE['frequency_penalty']:g}, as "
-     "`streamer demo`; 0: off)"),
-    ("end_bias", bounded(float, -10.0, 10.0),
-     ("add to the end-of-answer tokens' logits, in [-10, 10]: above 0 answers end sooner "
-      f"(default: {ANSWER_STYLE['end_bias']:g}, as `streamer demo`; 0: off)")),
-)
-
-
-def answer_arguments(parser: argparse.ArgumentParser) -> None:
-    """--repetition-penalty, --presence-penalty, --frequency-penalty, --end-bias (docs/protocol.md,
-    "Penalties"); unset ones take the SDK's ANSWER_STYLE (frequency penalty and end bias as
-    `streamer demo`, which stop the embedded model's loops) or else the service's defaults (off)."""
-    for name, kind, help_text in ANSWER_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
-
-
-def answer_options(args: argparse.Namespace) -> dict:
-    """The answer flags that were given, as query.create / flash.register fields."""
-    return {name: getattr(args, name) for name, _, _ in ANSWER_FLAGS if getattr(args, name, None) is not None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,12 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="think while reading; notes are printed as they are written")
     stream.add_argument("--json", action="store_true", help="print one JSON object per event instead of text")
     answer_arguments(stream)
-    from .media import add_arguments as media_arguments
-
     media_arguments(sub.add_parser("media", help="stream a video, audio or image file (or a camera or microphone) "
                                                  "into a new session; print observations and transcripts"))
-    from .robot import add_arguments as robot_arguments
-
     robot = sub.add_parser("robot", help="a simulated robot that follows a target with the session's action policy "
                                          "(needs an MQTT broker and `streamer serve --mqtt`)")
     robot_arguments(robot)
@@ -222,11 +189,7 @@ def run(args: argparse.Namespace) -> int:
     prog = f"streamer client {args.client_command}"
     try:
         if args.client_command == "robot":
-            from .robot import run as run_robot
-
             return run_robot(args)
-        from .media import stream_media
-
         command = {"stream": stream_file, "ask": ask_once, "media": stream_media}[args.client_command]
         return asyncio.run(command(args))
     except CliError as exc:

@@ -25,6 +25,7 @@ from streamer.cliargs import CliError, nonnegative_float, positive_float, positi
 from streamer.sessions.errors import Code
 
 from .client import StreamerClient
+from .options import answer_arguments, answer_options, url_argument
 
 IMAGE_SUFFIXES = {".jpg": "jpeg", ".jpeg": "jpeg", ".png": "png"}
 UNACKED = 16  # media frames sent ahead of their acks
@@ -35,8 +36,6 @@ PASSTHROUGH = {".webm": "webm", ".mkv": "webm", ".ts": "mpegts", ".m2ts": "mpegt
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a video, audio or image file; or a device with --device-format "
                                        "(e.g. /dev/video0 with v4l2, 'default' with alsa or pulse)")
-    from .cli import answer_arguments, url_argument
-
     url_argument(parser)
     parser.add_argument("--realtime", action="store_true", help="pace the stream by its media time (live)")
     parser.add_argument("--device-format", default=None, metavar="FORMAT",
@@ -270,8 +269,6 @@ def _camera(container, fps: float):
 
 
 async def stream_media(args: argparse.Namespace) -> int:
-    from .cli import answer_options
-
     emit = (lambda **kv: print(json.dumps(kv), flush=True)) if args.json else None
     if args.device_format:
         pieces = device_pieces(args.source, args.device_format, args.fps)

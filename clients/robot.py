@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from streamer.cliargs import CliError, nonnegative_int, positive_float, positive_int
+from streamer.mqtt import parse_url
+from streamer.preflight import check_mqtt
 from streamer.protocol import command
-from streamer.sessions.actions import ChunkQueue
 
 from .client import StreamerClient
+from .options import url_argument
 
 
 def target_at(t: float) -> np.ndarray:
@@ -35,10 +38,6 @@ def target_at(t: float) -> np.ndarray:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from streamer.cliargs import nonnegative_int, positive_float, positive_int
-
-    from .cli import url_argument
-
     url_argument(parser)
     parser.add_argument("--mqtt", default="mqtt://127.0.0.1:1883",
                         help="the broker the service publishes to (default: %(default)s)")
@@ -117,8 +116,6 @@ async def run_robot(args: argparse.Namespace, report: Callable[[str], None] | No
     `args.report_every` seconds and nothing else (the caller prints the summary)."""
     import aiomqtt
 
-    from streamer.mqtt import parse_url
-
     say = report or (lambda line: None)
     dt = args.dt_ms / 1000
     host, port = parse_url(args.mqtt)
@@ -144,6 +141,8 @@ async def run_robot(args: argparse.Namespace, report: Callable[[str], None] | No
 
 
 async def _follow(session, mqtt, state_topic: str, dt: float, args, say) -> Track:
+    from streamer.sessions.actions import ChunkQueue  # the engine package: torch, for the robot run only
+
     queue = ChunkQueue(dt, blend=0)
     position = np.zeros(2)
     track = Track(time.time())
@@ -184,9 +183,6 @@ def _xy(v: np.ndarray) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`streamer client robot`: print the run as it goes and a summary; errors are CliErrors."""
-    from streamer.cliargs import CliError
-    from streamer.preflight import check_mqtt
-
     if args.latency_ms[0] > args.latency_ms[1]:
         raise CliError(f"--latency-ms {args.latency_ms[0]} {args.latency_ms[1]}: MIN must not exceed MAX")
     check_mqtt(args.mqtt)  # one line, not a traceback, when the broker is not there
