@@ -23,6 +23,7 @@ from pathlib import Path
 
 from streamer.cliargs import CliError, nonnegative_float, positive_float, positive_int
 from streamer.sessions.errors import Code
+from streamer.vision.errors import MediaError
 
 from .client import StreamerClient
 from .options import answer_arguments, answer_options, url_argument
@@ -103,8 +104,7 @@ def probe(path: Path) -> None:
     av = _av()
     suffix = path.suffix.lower()
     if suffix in IMAGE_SUFFIXES:
-        from streamer.vision.errors import MediaError
-        from streamer.vision.video import decode_image
+        from streamer.vision.video import decode_image  # needs av (the media extra)
 
         try:
             decode_image(IMAGE_SUFFIXES[suffix], path.read_bytes(), 0.0)
