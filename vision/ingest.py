@@ -76,9 +76,10 @@ class VideoIngest:
     Threads: `feed()` runs on the caller's worker thread (the media stream's), decodes the piece
     and offers its sampled frames to the newest-frame slot; the newest frame is encoded at once
     if nothing is in flight, on the same thread. Observations are appended to the session with
-    a `then=` callback, so no thread waits on the engine: when the last one is in the cache, the
-    callback (on the engine thread) hands the next waiting frame back to `run` (the stream's
-    thread). While appends are in flight, newer frames replace the waiting one: the slot is the
+    a `then=` callback (a VLM encoder hands its frame to the engine itself and the same callback
+    goes on its future), so no thread waits on the engine: when the last one is in the cache,
+    the callback (on the thread that resolved it: the event loop once the log has the change)
+    hands the next waiting frame back to `run` (the stream's thread). While appends are in flight, newer frames replace the waiting one: the slot is the
     one backpressure point. `live=False` waits, on a condition, for the previous frame instead.
     """
 
