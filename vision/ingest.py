@@ -79,8 +79,9 @@ class VideoIngest:
     a `then=` callback (a VLM encoder hands its frame to the engine itself and the same callback
     goes on its future), so no thread waits on the engine: when the last one is in the cache,
     the callback (on the thread that resolved it: the event loop once the log has the change)
-    hands the next waiting frame back to `run` (the stream's thread). While appends are in flight, newer frames replace the waiting one: the slot is the
-    one backpressure point. `live=False` waits, on a condition, for the previous frame instead.
+    hands the next waiting frame back to `run` (the stream's thread). While appends are in
+    flight, newer frames replace the waiting one: the slot is the one backpressure point.
+    `live=False` waits, on a condition, for the previous frame instead.
     """
 
     def __init__(self, engine, session_id: str, encoder: VisionEncoder, emit: Emit,
