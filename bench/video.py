@@ -6,10 +6,12 @@ Measured in one process:
     one frame per session is queued, then the engine runs (their prefills share steps); serial:
     one session at a time, one frame at a time. Frames/s counts the engine's part (the frames'
     vision-tower embeddings are computed once beforehand; that cost is per frame either way and
-    is printed on its own).
+    is printed on its own). Then at 16 sessions again with the vision tower inside the frame
+    job, as the media path runs it (frames handed over patched; the engine runs the tower once
+    per step for every session's frame).
   - live at 2 fps: the engine thread serves N sessions; each session's camera thread captures a
-    frame every 0.5 s, runs the vision tower and hands the frame to the engine (newest frame
-    wins: a camera whose previous frame is not in yet drops the new one). Each session has a
+    frame every 0.5 s, patches it and hands it to the engine, whose frame job runs the vision
+    tower (newest frame wins: a camera whose previous frame is not in yet drops the new one). Each session has a
     flash question. Lag: capture -> frame in the cache (p50/p99); flash staleness: frame
     in the cache -> the flash answer over it evaluated (p50).
   - the describer path with `--realtime` (bench/video_pacing.py's measurement: the real CLI
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,7 +46,7 @@ import torch  # noqa: E402
 from streamer.app import load_tiny_vl  # noqa: E402
 from streamer.sessions import jobs  # noqa: E402
 from streamer.sessions.engine import Engine, EngineCore, EngineLimits  # noqa: E402
-from streamer.sessions.multimodal import frame_input  # noqa: E402
+from streamer.sessions.multimodal import frame_input, frame_patches  # noqa: E402
 from streamer.sessions.runner import ModelRunner  # noqa: E402
 
 
@@ -72,19 +75,21 @@ def open_sessions(core: EngineCore, n: int) -> list[str]:
 
 
 def ingest_rate(runner: ModelRunner, sessions: int, frames: list, batched: bool, step_tokens: int = 512) -> float:
-    """Frames/s through the engine for `sessions` sessions taking `frames` each."""
+    """Frames/s through the engine for `sessions` sessions taking `frames` each. Frames without
+    embeddings (`frame_patches`) get the vision tower in their job: each session its own copy."""
     core = EngineCore(runner, EngineLimits(kv_budget_bytes=256 << 20, step_tokens=step_tokens))
     sids = open_sessions(core, sessions)
+    own = {(sid, k): replace(f) if f.embeds is None else f for sid in sids for k, f in enumerate(frames)}
     started = time.perf_counter()
     if batched:
-        for frame in frames:
+        for k in range(len(frames)):
             for sid in sids:
-                jobs.append_frame(core, sid, frame, "frame")
+                jobs.append_frame(core, sid, own[sid, k], "frame")
             core.run_until_idle()
     else:
         for sid in sids:
-            for frame in frames:
-                jobs.append_frame(core, sid, frame, "frame")
+            for k in range(len(frames)):
+                jobs.append_frame(core, sid, own[sid, k], "frame")
                 core.run_until_idle()
     elapsed = time.perf_counter() - started
     for sid in sids:
@@ -133,8 +138,8 @@ def live(runner: ModelRunner, sessions: int, seconds: float, frame_tokens: int, 
                         dropped[0] += 1
                     continue
                 busy.set()
-                frame = frame_input(runner.vl, picture(k * 1000 + n), frame_tokens,
-                                    runner.tokenize(f"[{n / fps:.1f}s] "), n / fps)
+                frame = frame_patches(runner.vl, picture(k * 1000 + n), frame_tokens,
+                                      runner.tokenize(f"[{n / fps:.1f}s] "), n / fps)
 
                 def done(f, captured=captured) -> None:
                     if f.exception() is None:
@@ -220,6 +225,12 @@ def main() -> None:
               f"({batched / serial:.2f}x)")
         if n == 16:
             ratio16 = batched / serial
+    patched = [frame_patches(runner.vl, picture(k), args.frame_tokens, runner.tokenize(f"[{k / 2:.1f}s] "), k / 2)
+               for k in range(args.frames)]
+    serial = max(ingest_rate(runner, 16, patched, False, args.step_tokens) for _ in range(args.repeat))
+    batched = max(ingest_rate(runner, 16, patched, True, args.step_tokens) for _ in range(args.repeat))
+    print(f"  16 sessions, vision tower in the frame job: {batched:7.1f} frames/s batched, {serial:7.1f} one at a "
+          f"time ({batched / serial:.2f}x)")
     staleness16 = float("nan")
     for n in (1, 4, 16):
         r = live(runner, n, args.seconds, args.frame_tokens)

@@ -46,6 +46,7 @@ from .errors import Code, ContextOverflow, EngineError, EngineStopped, InvalidRe
 from .futures import chain, settle
 from .jobs import Job, Lanes
 from .memory import Memory
+from .multimodal import vision_step
 from .query import QueryHandle, end_queries, query
 from .runner import ModelRunner, SeqStep
 from .sampling import SamplingParams, stop_token_ids
@@ -270,7 +271,9 @@ class EngineCore:
 
     def _prepare(self, plan: StepPlan) -> list[tuple[Job, list[SeqStep]]]:
         """Turn the plan into sequences: each job plans its tokens and the pool blocks they need
-        are taken now, so a failure costs that job (and the appends joined behind it) only."""
+        are taken now, so a failure costs that job (and the appends joined behind it) only.
+        First, the vision tower for the step's frame jobs that need it, in one call."""
+        vision_step(getattr(self.runner, "vl", None), [entry.job for entry in plan.entries])
         batch, dropped = [], set()
         for entry in plan.entries:
             job = entry.job

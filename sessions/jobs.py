@@ -27,6 +27,7 @@ import torch
 
 from .errors import Code, ContextOverflow, InputEnded, InvalidRequest, SessionClosed
 from .futures import settle
+from .multimodal import encode_frames
 from .runner import SeqStep
 from .session import AppendResult, Session
 
@@ -484,10 +485,12 @@ class SegmentJob(ReviseJob):
 
 
 class FrameJob(PrefillJob):
-    """A frame into the reading cache of a session on a VL model: a prefill of the frame's
-    embeddings (`multimodal.FrameInput`) at M-RoPE positions that continue from the session's
-    next position, chunked and batched like text. It starts on its own (never joins another
-    input in a step: the next position moves by the frame's extent when it is in)."""
+    """A frame into the reading cache of a session on a VL model: first the vision tower (the
+    frame comes patched; `needs_vision` until its embeddings exist: the core runs the tower for
+    every such job of a step in one call, `multimodal.vision_step`), then a prefill of the
+    frame's embeddings (`multimodal.FrameInput`) at M-RoPE positions that continue from the
+    session's next position, chunked and batched like text. It starts on its own (never joins
+    another input in a step: the next position moves by the frame's extent when it is in)."""
 
     kind = "frame"
     joins = False
@@ -500,6 +503,11 @@ class FrameJob(PrefillJob):
     @property
     def can_join(self) -> bool:
         return False
+
+    @property
+    def needs_vision(self) -> bool:
+        """The frame's embeddings are not made yet (the vision tower is this job's first part)."""
+        return self.frame.embeds is None
 
     def make_room(self) -> None:
         """A vision bound evicts old frames first (replay: exactly the inputs the original evicted)."""
@@ -519,6 +527,8 @@ class FrameJob(PrefillJob):
         self.mpos = self.frame.rel + self.session.next_position  # after any eviction it made
 
     def plan_one(self, budget: int) -> SeqStep | None:
+        if self.needs_vision:  # not encoded with the step's other frames: on its own
+            encode_frames(self.session.runner.vl, [self.frame])
         if self.start is None:
             self.begin()
         n = min(budget, len(self.tokens) - self.pos)

@@ -14,18 +14,26 @@ and for text models). A uniform shift of all three components is an ordinary RoP
 (each rotary frequency is fed by one component, and all turn by shift x inv_freq), so eviction
 re-anchors a VL cache with the same `rope.rotate_keys` as a text one.
 
-A frame becomes a `FrameInput` off the engine thread (patching and the vision tower, on the
-media stream's thread: `frame_input`), then enters the session's cache as a `FrameJob`
-(sessions/jobs.py): a prefill of embeddings, chunked and batched with other sessions' work.
+A frame becomes a `FrameInput` in two parts. Off the engine thread (the media stream's):
+resizing and patching (`frame_patches`: numpy/torch on the pixels, no model weights). On the
+engine thread, as the first part of its `FrameJob` (sessions/jobs.py): the vision tower
+(`encode_frames`), run once per step for every frame job of the step (`vision_step`: one call
+over all sessions' frames, so one thread does model compute); then the frame is a prefill of
+embeddings, chunked and batched with other sessions' work. The tower's output for a frame does
+not depend on the frames beside it (its attention is per image: `cu_seqlens`). `frame_input`
+does both parts at once (replay, tests, benchmarks).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +86,16 @@ class FrameInput:
     from the position where the frame starts, `extent` how far it advances the next position."""
 
     ids: list[int]
-    embeds: torch.Tensor
+    embeds: torch.Tensor | None  # None until the vision tower ran (`encode_frames`, on the engine thread)
     rel: torch.Tensor
     extent: int
     grid: tuple[int, int]  # merged (gh, gw)
     image: np.ndarray  # the frame as the vision tower saw it (resized RGB uint8): what a log keeps
     digest: str  # content address of `image` (frame_digest)
     media_s: float | None = None  # the frame's media time (pts), when it came from a stream
+    pixels: torch.Tensor | None = None  # the tower's input patches until it ran (`patchify`)
+    thw: tuple[int, int, int] | None = None  # their (t, h, w) patch grid
+    label: int = 0  # text tokens before `<|vision_start|>`
 
     @property
     def visual_tokens(self) -> int:
@@ -104,29 +115,66 @@ def frame_positions(label: int, gh: int, gw: int) -> tuple[torch.Tensor, int]:
     return rel, end + 1
 
 
-@torch.inference_mode()
-def frame_input(parts: VLParts, image: np.ndarray, max_tokens: int, label_ids: list[int] | None = None,
-                media_s: float | None = None) -> FrameInput:
-    """Patch an RGB uint8 frame `[H, W, 3]` to fit `max_tokens` merged tokens, run the vision
-    tower and build the frame's input. Thread-safe: it reads the model's weights only."""
+def frame_patches(parts: VLParts, image: np.ndarray, max_tokens: int, label_ids: list[int] | None = None,
+                  media_s: float | None = None) -> FrameInput:
+    """An RGB uint8 frame `[H, W, 3]` resized to fit `max_tokens` merged tokens and cut into the
+    vision tower's patches: a `FrameInput` whose ids, positions and digest are final and whose
+    embeddings the tower makes later (`encode_frames`). Reads the model's config only, so any
+    thread may call it."""
     from streamer.vision.vlm_patches import PatchSpec, fit_frame, patchify
 
-    model = parts.model
-    spec = PatchSpec.from_config(model.config.vision_config)
+    spec = PatchSpec.from_config(parts.model.config.vision_config)
     image = fit_frame(image, max_tokens, spec)
     pixels, grid = patchify(image, max_tokens, spec)
-    param = parts.weight
-    grid_thw = torch.tensor([grid], device=param.device)
-    out = model.model.get_image_features(pixels.to(param.device, param.dtype), grid_thw)
-    vision = torch.cat(out.pooler_output).to(param.dtype)
     m = spec.merge_size
     gh, gw = grid[1] // m, grid[2] // m
     label_ids = list(label_ids or ())
-    ids = label_ids + [parts.vision_start_id] + [parts.image_token_id] * vision.shape[0] + [parts.vision_end_id]
-    text = parts.embed(label_ids + [parts.vision_start_id, parts.vision_end_id])
-    embeds = torch.cat([text[:-1], vision, text[-1:]])
+    ids = label_ids + [parts.vision_start_id] + [parts.image_token_id] * (gh * gw) + [parts.vision_end_id]
     rel, extent = frame_positions(len(label_ids), gh, gw)
-    return FrameInput(ids, embeds, rel, extent, (gh, gw), image, frame_digest(image), media_s)
+    return FrameInput(ids, None, rel, extent, (gh, gw), image, frame_digest(image), media_s, pixels, tuple(grid),
+                      len(label_ids))
+
+
+@torch.inference_mode()
+def encode_frames(parts: VLParts, frames: list[FrameInput]) -> None:
+    """Run the vision tower once over `frames` (patched, not yet encoded) and give each its input
+    embeddings: label and marker token embeddings around its vision embeddings. One call for
+    all: the tower's attention is per image, so each frame's embeddings are those it gets alone."""
+    if not frames:
+        return
+    param = parts.weight
+    pixels = torch.cat([f.pixels for f in frames]).to(param.device, param.dtype)
+    grid_thw = torch.tensor([f.thw for f in frames], device=param.device)
+    vision = parts.model.model.get_image_features(pixels, grid_thw).pooler_output
+    embeds = []
+    for f, v in zip(frames, vision, strict=True):
+        text = parts.embed(f.ids[:f.label] + [parts.vision_start_id, parts.vision_end_id])
+        embeds.append(torch.cat([text[:-1], v.to(param.dtype), text[-1:]]))
+    for f, e in zip(frames, embeds):  # all or none: a failed call leaves every frame as it was
+        f.embeds, f.pixels = e, None
+
+
+def vision_step(parts: VLParts | None, jobs) -> None:
+    """The vision tower for every job of a step that still needs it (`needs_vision`: a frame
+    job's first part), in one call on the engine thread. If that call fails, each job runs the
+    tower for its own frame as it plans, and fails alone."""
+    frames = [job.frame for job in jobs if getattr(job, "needs_vision", False)]
+    if parts is None or not frames:
+        return
+    try:
+        encode_frames(parts, frames)
+    except Exception:  # noqa: BLE001 - each job retries alone as it plans and fails with its own error
+        log.warning("the vision tower failed for %d frames batched; they are encoded one by one", len(frames))
+
+
+def frame_input(parts: VLParts, image: np.ndarray, max_tokens: int, label_ids: list[int] | None = None,
+                media_s: float | None = None) -> FrameInput:
+    """Patch an RGB uint8 frame `[H, W, 3]` to fit `max_tokens` merged tokens, run the vision
+    tower and build the frame's input (`frame_patches` and `encode_frames` at once, on the
+    calling thread). Thread-safe: it reads the model's weights only."""
+    frame = frame_patches(parts, image, max_tokens, label_ids, media_s)
+    encode_frames(parts, [frame])
+    return frame
 
 
 def frame_digest(image: np.ndarray) -> str:

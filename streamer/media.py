@@ -13,18 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from streamer.sessions.errors import Code, EngineError
+from streamer.sessions.futures import chain, settle
 
 from .protocol import Command
 from .records import Append, Frame, Revise, Update
 
 log = logging.getLogger(__name__)
 
-BLOB_TIMEOUT_S = 10.0  # how long a media thread waits for a frame's blob to be stored
+BLOB_TIMEOUT_S = 10.0  # how long a frame's blob may take to be stored before the frame is refused
 
 
 @dataclass(slots=True)
@@ -234,17 +235,35 @@ class LoggedEngine:
                             record, then)
 
     def append_frame(self, session_id: str, frame, text: str, frame_tokens: int, label: str | None = None,
-                     then=None):
-        """A frame into a VL session's cache (on a media thread): its blob goes to the store
-        first (this thread waits for it), then the frame is applied and its record logged."""
+                     then=None) -> Future:
+        """A frame into a VL session's cache, from a media thread that does not wait: a future
+        of the engine's result. The blob is compressed here; on the event loop, in the session's
+        log pipeline (its turn, like any change), the blob is stored, then the frame is handed
+        to the engine and its `frame` record logged after it. A blob the store does not take in
+        `BLOB_TIMEOUT_S` fails the frame (store_unavailable): nothing applied, nothing logged."""
         from streamer.sessions.multimodal import frame_blob
 
-        put = self._events.store.put_blob(frame.digest, frame_blob(frame.image))
-        try:
-            asyncio.run_coroutine_threadsafe(put, self._loop).result(BLOB_TIMEOUT_S)
-        except Exception as exc:
-            raise EngineError(f"the frame could not be logged: {exc}", code=Code.STORE_UNAVAILABLE) from None
-        return self._logged(session_id, lambda: self._engine.append_frame(session_id, frame, text),
+        blob, store = frame_blob(frame.image), self._events.store
+
+        async def store_then_apply(out: Future) -> None:
+            try:
+                await asyncio.wait_for(store.put_blob(frame.digest, blob), BLOB_TIMEOUT_S)
+            except Exception as exc:
+                settle(out, exc=EngineError(f"the frame could not be logged: {exc}", code=Code.STORE_UNAVAILABLE))
+                return
+            try:
+                chain(self._engine.append_frame(session_id, frame, text), out)
+            except Exception as exc:  # the engine refused it at once (stopping, closed)
+                settle(out, exc=exc)
+
+        def call() -> Future:  # on the loop, holding the session's place in its log
+            out: Future = Future()
+            task = self._events.spawn(store_then_apply(out))
+            task.add_done_callback(lambda t: t.cancelled() and settle(
+                out, exc=EngineError("the frame was cancelled before the engine took it", code=Code.ENGINE_STOPPED)))
+            return out
+
+        return self._logged(session_id, call,
                             lambda r: Frame(text=text, blob=frame.digest, frame_tokens=frame_tokens, label=label,
                                             media_s=frame.media_s, seq=r.seq, source="media",
                                             evicted=r.evicted_seqs or None), then)

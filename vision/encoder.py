@@ -7,10 +7,11 @@ is left goes, in order, to one `VisionEncoder` per media stream. Two implementat
 - `FrameDescriber` (vision/describe.py, the embedded default): no weights; each frame becomes a
   timestamped text observation (scene cut, motion level, dominant colours, brightness) that the
   caller appends to the session's text model (`Observation.text`).
-- the engine's VLM (vision/vlm.py `EngineFrameEncoder`): each frame's vision embeddings go into
-  the session's own reading cache (an engine job, 3-D M-RoPE positions continuing chunk to
-  chunk); it reports the visual tokens (`Observation.tokens`) and the engine's result
-  (`Observation.appended`).
+- the engine's VLM (vision/vlm.py `EngineFrameEncoder`): each frame, patched, is handed to the
+  engine, whose job runs the vision tower and reads the embeddings into the session's own
+  reading cache (3-D M-RoPE positions continuing chunk to chunk); it reports the visual tokens
+  (`Observation.tokens`) at once and the engine's future (`Observation.pending`), whose
+  resolution fills in the engine's result (`Observation.appended`).
 
 An encoder is stateful (it remembers the previous frame, or owns a cache) and is used from one
 thread at a time. This module imports nothing heavy: numpy arrays are the frame currency.
@@ -70,6 +71,8 @@ class Observation:
     frames: list[int] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     appended: object = None  # the engine's AppendResult when the encoder put the frame into the session's cache
+    pending: object = None  # a Future of that AppendResult while the engine reads the frame (the
+    #   caller counts the observation in flight until it resolves; `appended` is set by then)
 
 
 class VisionEncoder(ABC):
@@ -78,7 +81,8 @@ class VisionEncoder(ABC):
     Contract:
     - `encode(frames)` takes frames in increasing `pts` order (never a frame twice) and returns
       the observations they produced, possibly none (an encoder may hold a frame back to
-      compare it with the next one, or fold quiet frames into one line);
+      compare it with the next one, or fold quiet frames into one line); it never waits on the
+      engine: an observation the engine still has to read carries its future (`pending`);
     - `finish()` flushes whatever is held back at the end of the stream;
     - errors are `streamer.vision.errors.MediaError` subclasses (for instance `MediaTooLarge`
       for a frame over `max_pixels`); after one, the encoder still takes further frames;

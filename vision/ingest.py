@@ -2,7 +2,8 @@
 
     payload pieces -> VideoDecoder (demux + decode, its own thread) -> FrameSampler (rate,
     near-duplicates) -> LatestSlot (newest frame wins) -> VisionEncoder -> Engine.append with a
-    then= callback (text observations), or the encoder's own cache (VLM)
+    then= callback (text observations), or the encoder's own hand-off to the engine, whose
+    future gets the same callback (VLM: `Observation.pending`)
 
 `feed()` runs on a worker thread of the caller (the media stream's, never the event loop) and
 returns once the piece is decoded. The newest sampled frame is encoded whenever the previous
@@ -75,10 +76,12 @@ class VideoIngest:
     Threads: `feed()` runs on the caller's worker thread (the media stream's), decodes the piece
     and offers its sampled frames to the newest-frame slot; the newest frame is encoded at once
     if nothing is in flight, on the same thread. Observations are appended to the session with
-    a `then=` callback, so no thread waits on the engine: when the last one is in the cache, the
-    callback (on the engine thread) hands the next waiting frame back to `run` (the stream's
-    thread). While appends are in flight, newer frames replace the waiting one: the slot is the
-    one backpressure point. `live=False` waits, on a condition, for the previous frame instead.
+    a `then=` callback (a VLM encoder hands its frame to the engine itself and the same callback
+    goes on its future), so no thread waits on the engine: when the last one is in the cache,
+    the callback (on the thread that resolved it: the event loop once the log has the change)
+    hands the next waiting frame back to `run` (the stream's thread). While appends are in
+    flight, newer frames replace the waiting one: the slot is the one backpressure point.
+    `live=False` waits, on a condition, for the previous frame instead.
     """
 
     def __init__(self, engine, session_id: str, encoder: VisionEncoder, emit: Emit,
@@ -211,9 +214,11 @@ class VideoIngest:
         payload = {"start_s": round(obs.start_s, 3), "end_s": round(obs.end_s, 3), "capture_ts": obs.ts,
                    "text": obs.text, "events": obs.events or None, "frames": obs.frames,
                    "visual_tokens": obs.tokens or None, "encoder": self.encoder.name}
-        if obs.appended is not None:  # the encoder put it into the session's cache itself
-            r = obs.appended
-            payload.update(seq=r.seq, tokens=r.tokens, total_tokens=r.total_tokens, data_version=r.data_version)
+        if obs.pending is not None:  # the encoder handed the frame to the engine itself (VLM)
+            with self._idle:
+                self._inflight += 1
+            obs.pending.add_done_callback(lambda f: self._appended(obs, payload, f))
+            return
         if not (obs.text and self.encoder.appends_text):
             self._observed(obs, payload)
             return
@@ -225,16 +230,18 @@ class VideoIngest:
             self._appended(obs, payload, _failed(exc))
 
     def _appended(self, obs: Observation, payload: dict, f) -> None:
-        """An observation's append finished (on the engine thread, or inline when refused)."""
+        """An observation's append (a line, or a frame the encoder handed on) finished: on the
+        thread that resolved it (the event loop once logged, the engine's on a bare engine), or
+        inline when refused."""
         exc = None if not f.cancelled() else MediaError("the append was cancelled")
         exc = exc or f.exception()
-        if exc is not None:  # EngineError (context, budget, closed)
+        if exc is not None:  # EngineError (context, budget, closed, the frame's blob not stored)
             self.stats.errors += 1
             self._error(exc)
         else:
             result = f.result()
             payload.update(seq=result.seq, tokens=result.tokens, total_tokens=result.total_tokens,
-                           data_version=result.data_version)
+                           data_version=result.data_version, events=obs.events or None)
             self._observed(obs, payload)
         with self._idle:
             self._inflight -= 1

@@ -4,10 +4,11 @@ models (a tiny seeded random one for tests and benchmarks, checkpoints by id or 
 The engine runs the VLM like any model (sessions/multimodal.py: input embeddings, 3-D M-RoPE
 positions, frames as prefill jobs in the shared pool, windows re-anchored by rotation). This
 module turns a media stream's sampled frames into those inputs: each frame is resized to fit a
-visual-token budget and cut into the model's patches (`vlm_patches.py`: numpy/torch, since
-transformers' fast image processor needs torchvision, which does not import beside this torch
-build), encoded by the vision tower on the stream's thread, and handed to the engine, preceded
-by its media time as text (`[12.5s] `): the model's positions order frames but carry no clock.
+visual-token budget and cut into the model's patches on the stream's thread (`vlm_patches.py`:
+numpy/torch, since transformers' fast image processor needs torchvision, which does not import
+beside this torch build) and handed to the engine, preceded by its media time as text
+(`[12.5s] `): the model's positions order frames but carry no clock. The vision tower runs on
+the engine thread, as the first part of the frame's job, batched with other sessions' frames.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ log = logging.getLogger(__name__)
 
 
 class EngineFrameEncoder(VisionEncoder):
-    """The video path of a session on an engine whose model is a VLM: each frame is patched and
-    run through the model's vision tower on the stream's thread, then read into the session's
-    own reading cache by the engine (`append_frame`: a prefill job of embeddings, batched with
-    other sessions), preceded by its media time as text (`[12.5s] `). `encode` returns when the
-    frame is in the cache, so the stream's newest-frame-wins slot drops frames while the engine
-    is behind. `engine` is the media path's logged engine (frames are logged as blobs)."""
+    """The video path of a session on an engine whose model is a VLM: each frame is patched on
+    the stream's thread and handed on to the engine (`append_frame`: a job that runs the vision
+    tower on the engine thread, batched with other sessions' frames, then reads the embeddings
+    into the session's own reading cache), preceded by its media time as text (`[12.5s] `).
+    `encode` does not wait for the engine: each observation carries the engine's future
+    (`Observation.pending`); when it resolves, a callback fills in what the engine did
+    (`appended`, `events`), and the caller's callback, added after it, hands the observation on.
+    While a frame is in flight the stream's newest-frame-wins slot drops frames. `engine` is the
+    media path's logged engine (frames are logged as blobs)."""
 
     name = "engine-vl"
     appends_text = False
@@ -49,22 +53,31 @@ class EngineFrameEncoder(VisionEncoder):
         self.visual_tokens = 0
 
     def encode(self, frames: Sequence[Frame]) -> list[Observation]:
-        from streamer.sessions.multimodal import frame_input
+        from streamer.sessions.multimodal import frame_patches
 
         out = []
         for frame in frames:
             if frame.height * frame.width > self.max_pixels:
                 raise MediaTooLarge(f"frame of {frame.width}x{frame.height} pixels exceeds {self.max_pixels} pixels")
             label = f"[{frame.pts:.1f}s] "
-            item = frame_input(self.runner.vl, frame.image, self.frame_tokens, self.runner.tokenize(label), frame.pts)
-            result = self.engine.append_frame(self.session_id, item, f"[frame {frame.pts:.2f}s]",
-                                              frame_tokens=self.frame_tokens, label=label).result()
-            self.frames += 1
-            self.visual_tokens += item.visual_tokens
-            out.append(Observation(start_s=frame.pts, end_s=frame.pts, ts=frame.ts, tokens=item.visual_tokens,
-                                   frames=[frame.index], events=["evicted"] if result.evicted_seqs else [],
-                                   appended=result))
+            item = frame_patches(self.runner.vl, frame.image, self.frame_tokens, self.runner.tokenize(label), frame.pts)
+            obs = Observation(start_s=frame.pts, end_s=frame.pts, ts=frame.ts, tokens=item.visual_tokens,
+                              frames=[frame.index])
+            obs.pending = self.engine.append_frame(self.session_id, item, f"[frame {frame.pts:.2f}s]",
+                                                   frame_tokens=self.frame_tokens, label=label)
+            obs.pending.add_done_callback(lambda f, obs=obs: self._read(obs, f))
+            out.append(obs)
         return out
+
+    def _read(self, obs: Observation, f) -> None:
+        """The engine's answer for one frame (on the thread that resolved it): what it did."""
+        if f.cancelled() or f.exception() is not None:
+            return  # the caller's callback reports the error
+        result = f.result()
+        obs.appended = result
+        obs.events = ["evicted"] if result.evicted_seqs else []
+        self.frames += 1
+        self.visual_tokens += obs.tokens
 
     def state(self) -> dict:
         return {"encoder": self.name, "frames": self.frames, "visual_tokens": self.visual_tokens,

@@ -150,6 +150,45 @@ def test_a_video_session_reads_bit_for_bit_the_same_alone_or_batched(vl):
         assert torch.equal(kv, batched[i][0]) and torch.equal(logits, batched[i][1]), f"session {i}"
 
 
+def test_the_vision_tower_runs_on_the_engine_once_per_step_for_every_session(vl, monkeypatch):
+    """Frames handed to the engine patched (`frame_patches`: no embeddings yet, as the media path
+    sends them): the engine thread runs the vision tower as the first part of the frame jobs,
+    one call for all sessions' frames of a step, and each session's cache and logits equal
+    those of frames encoded beforehand one by one (`frame_input`), bit for bit."""
+    from streamer.sessions.multimodal import frame_patches
+
+    loaded, _ = vl
+    images = [picture(50 + k, 64 + 14 * k, 96) for k in range(3)]  # a different grid per session
+    tower = loaded.model.model.get_image_features
+    calls = []
+
+    def counted(pixels, grid_thw):
+        calls.append(grid_thw.shape[0])
+        return tower(pixels, grid_thw)
+
+    def read(make):
+        core = make_core(loaded)
+        sids = [open_session(core) for _ in images]
+        for k in range(2):
+            futs = []
+            for sid, img in zip(sids, images):
+                frame = make(core.runner.vl, img, FRAME_TOKENS, core.runner.tokenize(f"[{k:.1f}s] "), float(k))
+                assert (frame.embeds is None) == (make is frame_patches)
+                futs.append(jobs.append_frame(core, sid, frame, "frame"))
+            calls.clear()
+            core.run_until_idle()
+            assert all(f.result().seq for f in futs)
+            if make is frame_patches:
+                assert calls == [len(images)]  # one call of the tower, every session's frame in it
+        return [(core.sessions[sid].cache.snapshot(), core.sessions[sid].last_logits) for sid in sids]
+
+    monkeypatch.setattr(loaded.model.model, "get_image_features", counted)
+    lazy = read(frame_patches)
+    eager = read(frame_input)
+    for i, ((kv, logits), (kv_e, logits_e)) in enumerate(zip(lazy, eager)):
+        assert torch.equal(kv, kv_e) and torch.equal(logits, logits_e), f"session {i}"
+
+
 def test_question_on_a_video_session_equals_stateless_greedy(vl):
     loaded, ref = vl
     core = make_core(loaded)

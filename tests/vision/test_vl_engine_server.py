@@ -159,6 +159,58 @@ def test_four_video_sessions_run_batched(engine):
     serve(engine, test, media=MediaConfig(frame_tokens=FRAME_TOKENS, window_tokens=None))
 
 
+def test_a_frame_whose_blob_the_store_refuses_is_neither_read_nor_logged(engine):
+    """A frame's blob is stored on the event loop, in the session's log pipeline, before the
+    engine reads the frame: a blob the store refuses fails that frame alone (an error event,
+    store_unavailable; not in the cache, not in the log) and the stream goes on: the frames of the
+    next container, once the store takes blobs again, are read and logged with their blobs."""
+    from streamer.store import StoreError
+
+    async def test(url, server):
+        store = server.store
+        put = store.put_blob
+
+        async def refused(digest, data):
+            raise StoreError("blobs are refused")
+
+        async def send(pieces, seq0, ts):  # one `ts` per container: its frames' media times are exact
+            for k, piece in enumerate(pieces):
+                header = {"session_id": sid, "kind": "video", "format": "mp4", "seq": seq0 + k, "ts": ts,
+                          "live": False, "end": k == len(pieces) - 1 or None}
+                await peer.send(media_frame(header, piece))
+
+        async def events(kind, n):
+            got = []
+            while len(got) < n:
+                event = await peer.recv(120)
+                if event["type"] == kind:
+                    got.append(event)
+            return got
+
+        peer = await raw(url)
+        sid = await peer.create()
+        first = pieces_of(encode_video("mp4", seconds=1.0), 3)
+        store.put_blob = refused
+        ts = time.time()
+        await send(first, 0, ts)
+        errors = await events("error", 2)  # the two sampled frames (0.0 s and 0.5 s)
+        assert {e["error"]["code"] for e in errors} == {"store_unavailable"}
+        state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+        assert state["frames"] == 0 and state["last_seq"] == 0
+        store.put_blob = put
+        await send(pieces_of(encode_video("mp4", seconds=1.0), 4), len(first), ts + 2.0)
+        observed = await events("media.observation", 2)  # 2.0 s and 2.5 s
+        assert [(o["seq"], o["start_s"]) for o in observed] == [(1, 2.0), (2, 2.5)]
+        state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+        assert state["frames"] == 2
+        frames = [r for r in await store.read_log(sid) if r["kind"] == "frame"]
+        assert [r["seq"] for r in frames] == [1, 2]
+        for r in frames:
+            assert await store.get_blob(r["blob"]) is not None
+
+    serve(engine, test, media=MediaConfig(frame_tokens=FRAME_TOKENS, window_tokens=None))
+
+
 def test_replay_of_a_video_session_rebuilds_the_cache_and_answers(engine, tmp_path):
     """Frames are logged as blobs before their records; replaying the log (frames read back from
     the store, evictions of the vision window repeated) gives the same context, the same KV
