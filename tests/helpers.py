@@ -78,6 +78,19 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") ->
         time.sleep(0.01)
 
 
+class Deadline:
+    """The deadline of a poll loop that `until` and `wait_until` cannot express (one that does
+    work each turn): call `check()` every turn; past `timeout` s it fails naming `what`."""
+
+    def __init__(self, timeout: float, what: str) -> None:
+        self.timeout, self.what = timeout, what
+        self.at = time.monotonic() + timeout
+
+    def check(self) -> None:
+        if time.monotonic() > self.at:
+            raise AssertionError(f"timed out after {self.timeout:g} s waiting for {self.what}")
+
+
 async def until(predicate, timeout: float = 60.0, what: str = "the condition"):
     """Await `predicate()` (a function, or a coroutine function) until it returns something
     truthy, and return that (for asyncio tests against real servers)."""

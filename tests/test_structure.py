@@ -46,16 +46,48 @@ def test_no_mixins():
     assert not mixed, mixed
 
 
+JOB_CLASSES = {"Job", "PrefillJob", "ReviseJob", "SegmentJob", "FrameJob", "QueryJob", "FlashJob", "ThinkJob",
+               "ResizeJob"}
+
+
+def sessions_modules():
+    return [(path.relative_to(ROOT), parse(path)) for path in sorted((ROOT / "sessions").rglob("*.py"))]
+
+
+def test_the_job_classes_are_named():
+    """`JOB_CLASSES` is every class under sessions/ that derives from `Job`, directly or through
+    another job class, so the guard below knows each of them."""
+    bases = {node.name: {ast.unparse(b).split(".")[-1] for b in node.bases}
+             for _, tree in sessions_modules() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    found = {"Job"}
+    for _ in bases:  # one more generation of subclasses a turn
+        found |= {name for name, of in bases.items() if of & found}
+    assert found == JOB_CLASSES, f"job classes found: {sorted(found)}, named: {sorted(JOB_CLASSES)}"
+
+
+def switches_on_a_job_class(node: ast.AST) -> bool:
+    """`isinstance(x, SomeJob)`, `issubclass(...)`, `type(x) is SomeJob`, `x.__class__ == SomeJob`,
+    `type(x).__name__ == "SomeJob"`, `case SomeJob():`."""
+    def names(n):
+        return {m.id for m in ast.walk(n) if isinstance(m, ast.Name)} | \
+               {m.value for m in ast.walk(n) if isinstance(m, ast.Constant) and isinstance(m.value, str)}
+
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass"):
+        return any(names(a) & JOB_CLASSES for a in node.args[1:])
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        asks_class = any((isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "type")
+                         or (isinstance(n, ast.Attribute) and n.attr == "__class__") for side in sides for n in ast.walk(side))
+        return asks_class and any(names(side) & JOB_CLASSES for side in sides)
+    if isinstance(node, ast.MatchClass):
+        return ast.unparse(node.cls).split(".")[-1] in JOB_CLASSES
+    return False
+
+
 def test_the_engine_never_switches_on_job_classes():
-    """Jobs state their own lane and rules; the engine, scheduler, memory and lanes ask them,
-    never `isinstance(job, ...)` or `type(job) is ...`."""
-    job_classes = {"Job", "PrefillJob", "ReviseJob", "SegmentJob", "QueryJob", "FlashJob", "ThinkJob", "SlideJob"}
-    offenders = []
-    for name in ("engine.py", "scheduler.py", "memory.py", "jobs.py"):
-        path = ROOT / "sessions" / name
-        for node in ast.walk(parse(path)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "type"):
-                names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-                if names & job_classes or node.func.id == "type":
-                    offenders.append(f"sessions/{name}:{node.lineno}: {ast.unparse(node)}")
+    """Jobs state their own lane and rules; nothing under sessions/ (the engine, scheduler,
+    memory, lanes, the jobs themselves) asks a job its class: never `isinstance(job, ...)` or
+    `type(job) is ...`."""
+    offenders = [f"{path}:{node.lineno}: {ast.unparse(node)}"
+                 for path, tree in sessions_modules() for node in ast.walk(tree) if switches_on_a_job_class(node)]
     assert not offenders, offenders

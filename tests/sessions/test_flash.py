@@ -96,7 +96,7 @@ def test_confidence_fields(tiny):
     runner, _ = tiny
     session = build(runner, TEXT)
     answer = run_flash(runner, session, [flash_question(session, QUESTIONS[0])])["f"]
-    assert answer.logit_gap >= 0 and 0 < answer.mean_prob <= 1
+    assert answer.logit_gap > 0 and 0 < answer.mean_prob <= 1  # float logits do not tie at the top
     assert answer.eval_s > 0 and answer.finish_reason in ("stop", "length")
 
 
@@ -142,7 +142,9 @@ def test_engine_evaluates_after_updates_and_answers_from_cache(tiny):
     assert updates == [] and engine.stats.flash_evaluations == 0  # no answers from no data
     sync.append(sid, TEXT[0])
     assert engine.stats.flash_questions_evaluated == 1 and len(updates) == 1
-    assert updates[0][1]["data_version"] == 1 and updates[0][1]["staleness_ms"] >= 0
+    assert updates[0][1]["data_version"] == 1
+    # staleness runs from the data's acceptance to the answer, so it spans the evaluation
+    assert updates[0][1]["staleness_ms"] >= updates[0][1]["eval_ms"] - 0.1 and updates[0][1]["staleness_ms"] > 0
     session = engine.sessions[sid]
     q = session.flash["f1"]
     assert q.answer.data_version == 1

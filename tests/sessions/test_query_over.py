@@ -45,7 +45,7 @@ def test_read_answers_ahead_of_the_backlog_over_what_was_read(tiny):
     read.future.add_done_callback(lambda _: done.append("read"))
     sent = ask(engine, sid, "Who is the keeper?")
     while not read.future.done():
-        engine.step()
+        assert engine.step(), "the engine went idle before the question over what was read was answered"
     assert done == ["read"]  # answered before any of the backlog was read
     assert session.cache.length == read_tokens and torch.equal(session.cache.snapshot(), before)  # no trace
     engine.run_until_idle()
@@ -76,7 +76,7 @@ def test_read_never_sees_half_an_input(tiny):
     half = session.cache.length
     read = ask(engine, sid, "What numbers?", over="read")
     while not read.future.done():
-        engine.step()
+        assert engine.step(), "the engine went idle before the question over what was read was answered"
     r = read.future.result(0)
     assert not any(f.done() for f in rest)
     assert (r.data_version, r.unread_inputs) == (2, 2)

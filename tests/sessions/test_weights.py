@@ -117,7 +117,8 @@ def test_int4_weights_are_q4_1_blocks():
     torch.manual_seed(1)
     linear = nn.Linear(64, 32, bias=False)
     codes, scale, minimum = quantize_q4_1(linear.weight.detach())
-    assert codes.max() <= 15 and codes.min() >= 0
+    groups = codes.reshape(32, 2, GROUP)
+    assert (groups.amin(-1) == 0).all() and (groups.amax(-1) == 15).all()  # each group's min and max: 0 and 15
     q41 = (codes.float().reshape(32, 2, GROUP) * scale[..., None] + minimum[..., None]).reshape(32, 64)
     assert (q41 - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
     dequant = _dequant_int4(Int4Linear(linear), 32, 64)

@@ -32,6 +32,7 @@ from streamer.protocol import media_frame
 from streamer.server import ServerConfig, StreamerServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vision"))
+from helpers import Deadline, until
 from videogen import encode_image, encode_video, scene_frame
 
 API_KEY = "tour-key-0123456789abcdef"
@@ -214,11 +215,11 @@ async def session_with_everything(rec: Recorder, peer: Peer, watcher: Peer) -> s
 
 async def current_flash(peer: Peer, sid: str) -> dict:
     """Session state once every flash answer is evaluated on the present data."""
-    while True:
+    async def current():
         state = (await peer.ok({"type": "session.get", "session_id": sid}, "state"))["session"]
-        if all(q.get("data_version") == state["data_version"] for q in state["flash"]):
-            return state
-        await asyncio.sleep(0.05)
+        return state if all(q.get("data_version") == state["data_version"] for q in state["flash"]) else None
+
+    return await until(current, 60, "every flash answer evaluated on the present data")
 
 
 async def queries(peer: Peer, sid: str) -> None:
@@ -456,8 +457,7 @@ async def edge_limits(rec: Recorder, engine, tmp: Path) -> None:
         await operator.ok({"type": "subscribe", "session_id": first}, "subscribed")  # an operator watches any
         await keyed.refused({"type": "subscribe", "session_id": mine}, "session_not_found")  # a tenant: its own
         await keyed.close()  # its session is detached, still holding the key's one slot
-        while server.directory.detached() == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: server.directory.detached() > 0, 30, "the closed connection's session to be detached")
         again = await Peer.open(rec, url, additional_headers={"Authorization": f"Bearer {API_KEY}"})
         created = await again.ok({"type": "session.create"}, "session.created")
         assert created["evicted"] == [first], created  # the detached one made room
@@ -677,7 +677,9 @@ async def small_pool(rec: Recorder, small) -> None:
     sid = (await peer.ok({"type": "session.create"}, "session.created"))["session_id"]
     await peer.refused({"type": "input.text.append", "session_id": sid, "text": "word " * 80}, "kv_budget_exceeded")
     queued = small.snapshot_stats()["admissions_queued"]
+    deadline = Deadline(60, "a session.create to wait for memory")
     while small.snapshot_stats()["admissions_queued"] == queued:  # until one waits for memory: work in flight
+        deadline.check()
         await peer.send({"type": "session.create"})
         await asyncio.sleep(0.05)
     shutdown = asyncio.get_running_loop().create_task(server.shutdown(grace_s=0.5))

@@ -2,6 +2,7 @@
 with the in-process and file stores (Redis: test_durability_redis.py)."""
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -237,32 +238,52 @@ def test_metrics_report_durability(tiny_engine):
 
 
 def test_client_sdk_resume_resends_only_what_is_missing(tiny_engine):
-    """The SDK numbers inputs; after the connection drops with inputs in flight, `resume`
-    resends exactly those the server did not log."""
-    from streamer.clients.client import Ack, StreamerClient
+    """The SDK numbers inputs; after the connection drops with inputs unacknowledged, `resume`
+    resends exactly those the server did not log: here input 3 reached the log but its ack was
+    lost, and input 4 never left the client, so input 4 alone is sent again."""
+    from websockets.exceptions import ConnectionClosed
+
+    from streamer.clients.client import StreamerClient
 
     async def run(url, server):
         client = await StreamerClient.connect(url)
         session = await client.create_session(SYSTEM)
         for text in CHUNKS[:2]:
             await session.append(text)
-        in_flight = [asyncio.create_task(session.append(text)) for text in CHUNKS[2:]]
-        await asyncio.sleep(0)  # sent, or about to be: no ack awaited
+        client._dispatch = lambda event: None  # from here on every reply is lost on the way back
+        lost_ack = asyncio.create_task(session.append(CHUNKS[2]))
+
+        async def logged(n):
+            return len([r for r in await server.store.read_log(session.id) if r["kind"] == "append"]) == n
+
+        await until(lambda: logged(3), 60, "input 3 in the log")
         await client.ws.close()
-        results = await asyncio.gather(*in_flight, return_exceptions=True)
-        assert all(isinstance(r, (Ack, ConnectionError)) for r in results)  # acked, or cut: resume sorts it out
-        for task_result, seq in zip(results, (3, 4)):
-            if not isinstance(task_result, Exception):
-                session.unacked.pop(seq, None)
+        with pytest.raises(ConnectionError):
+            await lost_ack
+        with pytest.raises(ConnectionClosed):  # the connection is gone: input 4 never reaches the server
+            await session.append(CHUNKS[3])
+        assert sorted(session.unacked) == [3, 4]
+        assert await logged(3)
         fresh = await StreamerClient.connect(url)
+        sent = []
+        send = fresh.ws.send
+
+        async def spy(frame):
+            sent.append(json.loads(frame))
+            await send(frame)
+
+        fresh.ws.send = spy
         resumed = await fresh.resume(session)
+        resent = [m["client_seq"] for m in sent if m["type"] == "input.text.append"]
         await resumed.append("The end.")
         state = await resumed.state()
         records = await server.store.read_log(session.id)
         await fresh.close()
-        return state, records
+        return resumed.resumed["last_client_seq"], resent, state, records
 
-    state, records = serve(tiny_engine, run)
+    last_client_seq, resent, state, records = serve(tiny_engine, run)
+    assert last_client_seq == 3  # the server had input 3, unacknowledged as it was
+    assert resent == [4]
     appends = [r for r in records if r["kind"] == "append"]
     assert [r["text"] for r in appends] == CHUNKS + ["The end."]
     assert [r["client_seq"] for r in appends] == [1, 2, 3, 4, 5]

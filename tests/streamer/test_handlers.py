@@ -7,7 +7,7 @@ import json
 from collections import defaultdict
 
 import pytest
-from helpers import driven
+from helpers import Deadline, driven
 
 from streamer import handlers
 from streamer.directory import Directory
@@ -45,7 +45,9 @@ async def settle(engine, outcome):
     assert isinstance(outcome, Await)
     future = outcome.future
     future = asyncio.wrap_future(future) if not asyncio.isfuture(future) else future
+    deadline = Deadline(60, "the engine to answer the handler's command")
     while not future.done():  # the event log's task logs the change, then hands it to the engine
+        deadline.check()
         engine.run_until_idle()
         await asyncio.sleep(0.001)
     result = await future

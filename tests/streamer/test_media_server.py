@@ -17,7 +17,7 @@ from wsutil import check_error, raw, serve  # noqa: E402
 
 from streamer.protocol import media_frame  # noqa: E402
 
-from videogen import encode_image, encode_video, scene_frame  # noqa: E402
+from videogen import SCENES, encode_image, encode_video, scene_frame  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +70,20 @@ def test_video_in_pieces_becomes_timestamped_observations(media_engine, fmt):
     async def test(url, server):
         peer = await raw(url)
         sid = await peer.create()
+        sent = time.time()
         acks = await stream_file(peer, sid, fmt, encode_video(fmt), random.Random(5))
         assert [a["media_seq"] for a in acks] == list(range(len(acks)))
         last = acks[-1]["media"]
         assert last["decoded"] == 60 and last["sampled"] == 12 and last["dropped"] == 0  # live=False: no drops
         assert acks[-1]["ended"] is True
         obs = await observations(peer, 6)
+        received = time.time()
         cuts = [o["start_s"] for o in obs if "scene_cut" in (o["events"] or [])]
         assert cuts == [2.0, 4.0]
-        assert all(o["seq"] >= 1 and o["tokens"] > 0 and o["lag_ms"] >= 0 for o in obs)
+        assert all(o["seq"] >= 1 and o["tokens"] > 0 for o in obs)
+        for o in obs:  # capture -> cache, 0 for a frame whose capture time (ts + pts) is still ahead
+            low, high = (max(0.0, t - o["capture_ts"]) * 1000 for t in (sent, received))
+            assert low - 0.1 <= o["lag_ms"] <= high + 0.1, (o["lag_ms"], low, high)
         state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
         assert state["inputs"] == 6 and state["media"]["video"]["observations"] == 6
         assert state["media"]["video"]["scene_cuts"] == 2 and state["media"]["video"]["dropped"] == 0
@@ -93,21 +98,25 @@ def test_images_and_newest_frame_wins(media_engine):
         sid = await peer.create()
         t0 = time.time()
         # A burst of live images (1 s apart in capture time) sent faster than they are encoded:
-        # stale ones are dropped, the newest always lands.
+        # stale ones are dropped, the newest always lands. The newest is a scene of its own, so
+        # the describer writes a line for it whenever it is encoded.
+        last = SCENES + [(6.0, (230, 220, 40))]
         for k in range(30):
-            image = encode_image("png" if k % 2 else "jpeg", scene_frame(k * 0.2))
+            image = encode_image("png" if k % 2 else "jpeg", scene_frame(6.0, last) if k == 29 else scene_frame(k * 0.2))
             await peer.send(frame(sid, "image", "png" if k % 2 else "jpeg", k, image, ts=t0 + k))
         await collect(peer, "input.ack", 30)
-        async def settled():  # every sampled picture was encoded or dropped
+        async def settled():  # every sampled picture was encoded or dropped, every line is in the session
             state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]["media"]["video"]
-            return state if state["encoded"] + state["dropped"] == state["sampled"] else None
+            done = state["encoded"] + state["dropped"] == state["sampled"] and state["observations"] == state["lines"]
+            return state if done else None
 
         state = await until(settled, 30, "the encoder to settle")
-        assert state["decoded"] == 0 and state["sampled"] == 30
+        assert state["decoded"] == 0 and state["sampled"] == 30 and state["errors"] == 0
         assert state["encoded"] + state["dropped"] == 30 and state["encoded"] >= 1
-        obs = [e for e in peer.pending if e["type"] == "media.observation"]
-        obs += await observations(peer, state["observations"] - len(obs))
-        assert obs[-1]["frames"] == [29] or state["observations"] < state["encoded"]
+        obs = await observations(peer, state["observations"])  # those that came while waiting first
+        assert obs[-1]["frames"] == [29] and "scene_cut" in obs[-1]["events"], obs[-1]
+        indices = [o["frames"][0] for o in obs]
+        assert indices == sorted(set(indices)), indices  # in capture order, each frame once
         await peer.still_serving(sid)
 
     serve(media_engine, test)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("av")
 
-from helpers import tiny_vl_engine  # noqa: E402
+from helpers import tiny_vl_engine, until  # noqa: E402
 from test_vl_engine_server import FRAME_TOKENS, stream_video  # noqa: E402
 from videogen import encode_video  # noqa: E402
 from wsutil import raw, serve  # noqa: E402
@@ -41,8 +41,8 @@ def test_a_video_session_older_than_the_retention_replays_from_its_checkpoint(en
         while seen < 12:
             seen += (await peer.recv(120))["type"] == "media.observation"
         pipe = server.events.pipes[sid]
-        while pipe.checkpointing is not None and not pipe.checkpointing.done():
-            await asyncio.sleep(0.05)
+        await until(lambda: pipe.checkpointing is None or pipe.checkpointing.done(), 120,
+                    "the checkpoint in flight to finish")
         await peer.send({"type": "query.create", "session_id": sid, "question": question, "max_tokens": 8})
         answer = (await peer.until("query.done"))[-1]["text"]
         kv = await asyncio.wrap_future(engine.call(lambda: engine.sessions[sid].cache.snapshot()))
