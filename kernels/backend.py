@@ -16,6 +16,7 @@ extent plus its own extent, each read in place; nothing is copied.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 
@@ -37,19 +38,24 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def triton_kernels():
+    """The Triton kernels' module (`triton_attention`), imported at first use: triton is an
+    optional dependency, and the kernels are defined for the CUDA compiler or for the CPU
+    interpreter by `TRITON_INTERPRET` as it is when they are imported."""
+    return importlib.import_module(".triton_attention", __package__)
+
+
 def triton_import_error() -> str | None:
     """None when the Triton kernels import, else why not."""
     try:
-        from . import triton_attention  # noqa: F401
+        triton_kernels()
     except Exception as exc:  # ImportError, or a broken install failing at import
         return f"{type(exc).__name__}: {exc}"
     return None
 
 
 def _kernels_interpreted() -> bool:
-    from . import triton_attention
-
-    return type(triton_attention._attention_kernel).__name__ == "InterpretedFunction"
+    return type(triton_kernels()._attention_kernel).__name__ == "InterpretedFunction"
 
 
 def resolve_backend(requested: str | None, device: torch.device | str) -> str:
@@ -102,6 +108,23 @@ def read_only_parts(cache, length: int) -> list[tuple[object, int]]:
     return out
 
 
+def sequence_layout(seq) -> tuple[int, list[tuple[object, int]]]:
+    """Where a step's sequence writes and what it reads, as every backend's plan lays it out:
+    its new tokens' first slot in its own buffer (`start` less its cache's shared prefix), and
+    the read-only parts it reads before its own keys, in order: its prefixes' buffers, then its
+    own cache's shared prefix (each `(buffer, tokens)`, tokens > 0)."""
+    cache = seq.cache
+    parts = [p for c, n in seq.prefixes for p in read_only_parts(c, n)]
+    if cache.prefix_len:
+        parts.append((cache.prefix, cache.prefix_len))
+    return seq.start - cache.prefix_len, parts
+
+
+def parts_key(parts: Sequence[tuple[object, int]]) -> tuple:
+    """What makes two sequences' read-only parts the same reads (they may be planned together)."""
+    return tuple((id(c), n) for c, n in parts)
+
+
 def _layout(seqs: Sequence, fork_suffix_max: int):
     """Sort a step's sequences into plain ones (own cache only), ranged ones (a session's
     reading over its shared prefix, or a fork with a long own cache, plus read-only ranges) and
@@ -109,17 +132,13 @@ def _layout(seqs: Sequence, fork_suffix_max: int):
     Each item: (sequence, own_start, read-only parts)."""
     plain, ranged, groups = [], [], {}
     for seq in seqs:
-        cache = seq.cache
-        own_start = seq.start - cache.prefix_len
-        parts = [p for c, n in seq.prefixes for p in read_only_parts(c, n)]
-        if cache.prefix_len:
-            parts.append((cache.prefix, cache.prefix_len))
+        own_start, parts = sequence_layout(seq)
         if not parts:
             plain.append((seq, own_start, parts))
         elif own_start > fork_suffix_max or not seq.prefixes:  # a session's reading is never grouped
             ranged.append((seq, own_start, parts))
         else:
-            groups.setdefault(tuple((id(c), n) for c, n in parts), []).append((seq, own_start, parts))
+            groups.setdefault(parts_key(parts), []).append((seq, own_start, parts))
     return plain, ranged, list(groups.values())
 
 
@@ -173,7 +192,7 @@ class ReferencePlan:
         return out
 
 
-def _layer_stride(cache) -> int:
+def layer_stride(cache) -> int:
     """Elements between layer 0's and layer 1's key buffer of a cache (0 for one layer)."""
     k0 = cache.layer(0)[0]
     try:
@@ -184,10 +203,8 @@ def _layer_stride(cache) -> int:
 
 
 def _range(cache, length: int, causal_start: int | None = None):
-    from .triton_attention import KVRange
-
     k, v = cache.layer(0)
-    return KVRange(k, v, length, causal_start, _layer_stride(cache))
+    return triton_kernels().KVRange(k, v, length, causal_start, layer_stride(cache))
 
 
 def triton_plan(seqs: Sequence, heads: int, kv_heads: int, head_dim: int, device: torch.device,
@@ -201,9 +218,7 @@ def triton_plan(seqs: Sequence, heads: int, kv_heads: int, head_dim: int, device
     short forks over the same ranges (`own part <= fork_suffix_max`) are planned together, so
     the shared ranges are read once for all their queries.
     """
-    from .triton_attention import AttentionPlan
-
-    plan = AttentionPlan(heads, kv_heads, head_dim, device, **plan_options)
+    plan = triton_kernels().AttentionPlan(heads, kv_heads, head_dim, device, **plan_options)
     plain, ranged, groups = _layout(seqs, fork_suffix_max)
 
     def tokens(seq):

@@ -1,7 +1,8 @@
 """Llama-family GGUF files (llama.cpp's format): what streamer runs from them, and their linear
 layers' blocks in the native stack's two formats.
 
-The native C kernels run two block formats (sessions/native.py): Q4_1 (per 32 weights an fp16
+The native C kernels run two block formats (sessions/native.py; `quantize_q4_1` and
+`quantize_q8_0` below make them from float weights): Q4_1 (per 32 weights an fp16
 scale d, an fp16 offset m and 4-bit codes, w = d q + m) and Q8_0 (an fp16 scale and 8-bit codes,
 w = d q). A GGUF's linear layers reach them so:
 
@@ -274,6 +275,30 @@ def q4_k_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, .
     return codes, scale, minimum
 
 
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 of a float weight [N, K] as llama.cpp makes it: per block of 32 a scale d = (max -
+    min) / 15 and a minimum m (both fp16), codes round((w - m) / d) in 0..15."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // QB, QB)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = ((hi - lo) / 15.0).to(torch.float16)
+    m = lo.to(torch.float16)
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(lo))
+    codes = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(n, k), d, m
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 of a float weight [N, K]: per block of 32 a scale d = amax / 127 (fp16), codes
+    round(w / d) in -127..127, stored + 128."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // QB, QB)
+    d = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    codes = torch.round(w * inv[..., None]).clamp(-127, 127) + 128
+    return codes.to(torch.uint8).reshape(n, k), d
+
+
 def q8_0_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 (34 bytes: fp16 d, 32 int8 codes) -> codes + 128 uint8 [rows, cols], d [rows, cols/32]."""
     b = data.reshape(rows, cols // QB, 34)
@@ -283,8 +308,6 @@ def q8_0_blocks(data: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
 
 def _requantize_q8_0(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """Q8_0 of float weights and the squared error it adds (and the weights' squared norm)."""
-    from .native import quantize_q8_0
-
     codes, d = quantize_q8_0(weights)
     n, k = weights.shape
     back = (codes.float().reshape(n, k // QB, QB) - 128) * d.float()[..., None]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .gguf_file import GgufError, inspect_gguf, is_gguf_path, open_gguf
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -117,8 +119,6 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
     ModelLoadError (one line) for a file streamer does not run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .gguf_file import GgufError, inspect_gguf
-
     path = Path(path).expanduser()
     try:
         info = inspect_gguf(path)
@@ -148,8 +148,6 @@ def _gguf_config(path: Path, architecture: str):
     one whose heads are not hidden / heads) loaded with the wrong shapes and failed."""
     from transformers import AutoConfig
 
-    from .gguf_file import open_gguf
-
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     field = open_gguf(path).fields.get(f"{architecture}.attention.key_length")
     if field is not None:
@@ -164,8 +162,6 @@ def load_model(spec: str = "embedded", dtype: str | torch.dtype = "float32",
     """Load the embedded default (`embedded`), a GGUF file (`path/to/model.gguf`: `load_gguf`),
     a Hugging Face id, or a local directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .gguf_file import is_gguf_path
 
     torch_dtype = parse_dtype(dtype)
     gguf = None

@@ -8,7 +8,8 @@ same kernels) and the float weights are freed. `NativeStack` then runs a whole p
 one call into C: every layer, the K/V written into each sequence's cache at its slots, and
 attention over the sequence's read-only ranges and its own cache (kernels/cpu/streamer_cpu.c).
 The runner's step plan (which ranges each sequence reads, grouped so a range shared by many
-forks is read once for all) is built here from the same `SeqStep`s as the torch reference's.
+forks is read once for all) is `kernels.cpu.StepPlan`, laid out by `kernels/backend.py` from the
+same `SeqStep`s as the torch reference's plan. Every call into C goes through `kernels/cpu.py`.
 
 Packing a model from a GGUF gives the same bytes at every start, so `cached_pack` keeps them in
 `<cache>/packed/` (keyed by the GGUF's content hash and the packing code's digest, checksummed)
@@ -22,7 +23,6 @@ the tiny-model tests) it differs by the weights' and activations' quantization.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -36,92 +36,14 @@ import torch
 from torch import nn
 
 from streamer.kernels import cpu as ck
-from streamer.kernels.backend import read_only_parts
+from streamer.kernels.cpu import QuantMatrix
+
+from .gguf_file import quantize_q4_1, quantize_q8_0
+from .models import cache_root
 
 log = logging.getLogger(__name__)
 
-QB = 32
-MAX_RANGES = 16  # read-only ranges a sequence may read (streamer_cpu.c MAX_SEGS - 1)
-MAX_GROUP = 32  # query heads per kv head (streamer_cpu.c MAX_Q / GROUP_ROWS)
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-class QuantMatrix:
-    """A quantized weight matrix in the C kernels' layout (`sk_pack`: groups of 16 output
-    columns interleaved block by block); `rows(a, b)` is a view of outputs [a, b) (a and b
-    multiples of 16, or b the last)."""
-
-    COLS = 16
-
-    def __init__(self, bits: int, n: int, k: int, data: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.bits, self.n, self.k, self.data, self.bias = bits, n, k, data, bias
-        self.group_bytes = k // QB * (544 if bits == 8 else 320)
-        self.c = ck.QMat(bits, n, k, 0, self.group_bytes, data.data_ptr(),
-                         None if bias is None else bias.data_ptr())
-
-    @classmethod
-    def pack(cls, bits: int, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-             bias: torch.Tensor | None = None) -> "QuantMatrix":
-        """From codes `uint8 [n, k]` (0..15, or q + 128 for 8 bits), scales and offsets (fp16
-        `[n, k/32]`; no offsets for 8 bits)."""
-        lib = ck.load()
-        n, k = codes.shape
-        if k % QB:
-            raise ValueError(f"a quantized matrix needs whole blocks of {QB} inputs, got {k}")
-        data = torch.empty(lib.sk_matrix_bytes(bits, n, k), dtype=torch.uint8)
-        d16 = d.to(torch.float16).contiguous()
-        m16 = (m if m is not None else torch.zeros_like(d)).to(torch.float16).contiguous()
-        codes = codes.to(torch.uint8).contiguous()
-        lib.sk_pack(bits, n, k, codes.data_ptr(), d16.data_ptr(), m16.data_ptr(), data.data_ptr())
-        if bias is not None:
-            bias = bias.detach().float().contiguous()
-        return cls(bits, n, k, data, bias)
-
-    def rows(self, a: int, b: int) -> "QuantMatrix":
-        cols = self.COLS
-        if a % cols or (b % cols and b != self.n):
-            raise ValueError(f"a view of a packed matrix starts and ends at whole groups of {cols} outputs: {a}..{b}")
-        data = self.data[a // cols * self.group_bytes:(b + cols - 1) // cols * self.group_bytes]
-        bias = None if self.bias is None else self.bias[a:b]
-        return QuantMatrix(self.bits, b - a, self.k, data, bias)
-
-    def nbytes(self) -> int:
-        return self.data.numel() + (0 if self.bias is None else self.bias.numel() * 4)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[rows, k]` (fp32) -> `[rows, n]`."""
-        x = x.float().contiguous()
-        rows = x.shape[0]
-        out = torch.empty(rows, self.n, dtype=torch.float32)
-        if rows:
-            rc = ck.load().sk_linear(ctypes.byref(self.c), x.data_ptr(), rows, self.k, out.data_ptr(), self.n)
-            if rc:
-                raise MemoryError(f"sk_linear failed ({rc})")
-        return out
-
-
-def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1 of a float weight [N, K] as llama.cpp makes it: per block of 32 a scale d = (max -
-    min) / 15 and a minimum m (both fp16), codes round((w - m) / d) in 0..15."""
-    n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // QB, QB)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    d = ((hi - lo) / 15.0).to(torch.float16)
-    m = lo.to(torch.float16)
-    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(lo))
-    codes = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
-    return codes.reshape(n, k), d, m
-
-
-def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 of a float weight [N, K]: per block of 32 a scale d = amax / 127 (fp16), codes
-    round(w / d) in -127..127, stored + 128."""
-    n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // QB, QB)
-    d = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)
-    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
-    codes = torch.round(w * inv[..., None]).clamp(-127, 127) + 128
-    return codes.to(torch.uint8).reshape(n, k), d
 
 
 def quantize(linears: Sequence[nn.Linear], bits: int, blocks: Sequence | None = None) -> QuantMatrix:
@@ -193,13 +115,18 @@ def native_unsupported(model: nn.Module) -> str | None:
             return f"mlp.{name} is not a linear layer"
     heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if heads % kv_heads or (kv_heads * head_dim) % QuantMatrix.COLS:
-        return f"head_dim {head_dim} x kv heads {kv_heads} not a multiple of {QuantMatrix.COLS} (heads {heads})"
-    if heads // kv_heads > MAX_GROUP:
-        return f"{heads // kv_heads} query heads per kv head (the native stack takes {MAX_GROUP})"
+    try:
+        lib = ck.load()  # the limits below are the C kernels'
+    except ck.KernelBuildError as exc:
+        return str(exc)
+    cols, block = lib.matrix_cols, lib.quant_block
+    if heads % kv_heads or (kv_heads * head_dim) % cols:
+        return f"head_dim {head_dim} x kv heads {kv_heads} not a multiple of {cols} (heads {heads})"
+    if heads // kv_heads > lib.max_group:
+        return f"{heads // kv_heads} query heads per kv head (the native stack takes {lib.max_group})"
     for size in (cfg.hidden_size, heads * head_dim, cfg.intermediate_size):
-        if size % QB:
-            return f"a layer width ({size}) that is not a multiple of {QB}"
+        if size % block:
+            return f"a layer width ({size}) that is not a multiple of {block}"
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and kind == "mistral":
         return "sliding-window attention"
     return None
@@ -255,8 +182,8 @@ def check_packed(model: nn.Module, fmt: str, matrices: dict[str, QuantMatrix]) -
             b = 8  # a part of it came 8-bit from the GGUF (see `quantize`)
         if (m.bits, m.n, m.k, m.bias is not None) != (b, n, k, has_bias):
             raise PackCacheError(f"{name} is {m.bits}-bit {m.n}x{m.k}, this model's is {b}-bit {n}x{k}")
-        if m.data.numel() != lib.sk_matrix_bytes(b, n, k) or (has_bias and m.bias.numel() != n):
-            raise PackCacheError(f"{name} holds {m.data.numel()} bytes, not {lib.sk_matrix_bytes(b, n, k)}")
+        if m.data.numel() != lib.matrix_bytes(b, n, k) or (has_bias and m.bias.numel() != n):
+            raise PackCacheError(f"{name} holds {m.data.numel()} bytes, not {lib.matrix_bytes(b, n, k)}")
 
 
 def install_native(model: nn.Module, fmt: str, matrices: dict[str, QuantMatrix]) -> int:
@@ -313,14 +240,15 @@ def file_sha256(path: Path) -> str:
 
 
 def packing_code_digest(version: int | None = None) -> str:
-    """What decides the packed bytes besides the GGUF: this file (the quantizers, the fusing),
-    weights.py and gguf_file.py (reading and repacking the GGUF's blocks), the C source (sk_pack's layout), and the torch and
-    transformers versions (the quantizers' arithmetic, the float weights a GGUF converts to)."""
+    """What decides the packed bytes besides the GGUF: this file (the fusing), weights.py and
+    gguf_file.py (reading and repacking the GGUF's blocks, the quantizers), kernels/cpu.py and the
+    C source (sk_pack's layout), and the torch and transformers versions (the quantizers'
+    arithmetic, the float weights a GGUF converts to)."""
     import transformers
 
     h = hashlib.sha256(f"streamer packed weights v{PACK_VERSION if version is None else version}\0".encode())
     for path in (Path(__file__), Path(__file__).with_name("weights.py"), Path(__file__).with_name("gguf_file.py"),
-                 ck.SOURCE):
+                 Path(ck.__file__), ck.SOURCE):
         h.update(path.read_bytes())
     h.update(f"\0{torch.__version__}\0{transformers.__version__}".encode())
     return h.hexdigest()
@@ -433,8 +361,6 @@ def cached_pack(model: nn.Module, fmt: str, gguf: Path,
     start the packing."""
     from filelock import FileLock
 
-    from .models import cache_root
-
     started = time.monotonic()
     key = pack_key(file_sha256(gguf), fmt, model_signature(model), packing_code_digest())
     path = cache_root() / "packed" / f"{gguf.stem}-{fmt}-{key[:20]}.bin"
@@ -479,21 +405,13 @@ def cached_pack(model: nn.Module, fmt: str, gguf: Path,
         lock.release()
 
 
-def _range(buffer, length: int) -> ck.Range:
-    """A cache buffer's keys and values of layer 0 as the C kernels address them."""
-    k, v = buffer.layer(0)
-    try:
-        layer_stride = buffer.layer(1)[0].data_ptr() - k.data_ptr()
-    except IndexError:
-        layer_stride = 0
-    return ck.Range(k.data_ptr(), v.data_ptr(), layer_stride // k.element_size(), k.stride(0), length, 0)
-
-
 class NativeStack:
-    """The decoder of a model that `apply_native` converted, as one C call per step."""
+    """The decoder of a model that `apply_native` converted, as one C call per step. `kernels`:
+    the build of the C kernels to run (default: this machine's)."""
 
-    def __init__(self, model: nn.Module, kv_dtype: torch.dtype) -> None:
-        self.lib = ck.load()
+    def __init__(self, model: nn.Module, kv_dtype: torch.dtype, kernels: ck.Kernels | None = None) -> None:
+        self.lib = kernels or ck.load()
+        self.ctx = self.lib.context()  # this stack's buffers in C
         cfg = model.config
         decoder = model.model
         self.embed = decoder.embed_tokens
@@ -501,72 +419,25 @@ class NativeStack:
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        keep = []  # tensors the C structures point into
-
-        def vec(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
-            t = t.detach().float().contiguous()
-            keep.append(t)
-            return t.data_ptr()
-
-        layers = (ck.Layer * len(decoder.layers))()
-        for i, layer in enumerate(decoder.layers):
+        layers = []
+        for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            layers[i] = ck.Layer(attn.native_qkv.c, attn.native_o.c, mlp.native_gate_up.c, mlp.native_down.c,
-                                 vec(layer.input_layernorm.weight), vec(layer.post_attention_layernorm.weight),
-                                 vec(q_norm.weight if q_norm is not None else None),
-                                 vec(k_norm.weight if k_norm is not None else None))
+            layers.append(ck.LayerWeights(attn.native_qkv, attn.native_o, mlp.native_gate_up, mlp.native_down,
+                                          layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                          q_norm.weight if q_norm is not None else None,
+                                          k_norm.weight if k_norm is not None else None))
         scale = float(getattr(decoder.layers[0].self_attn, "scaling", head_dim ** -0.5))
-        self.model = ck.Model(len(decoder.layers), cfg.hidden_size, heads, kv_heads, head_dim,
-                              cfg.intermediate_size, int(kv_dtype == torch.float16), 0, float(cfg.rms_norm_eps),
-                              scale, layers, vec(decoder.norm.weight))
-        self._keep, self._layers = keep, layers
+        self.model = ck.DecoderModel(layers, hidden=cfg.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                     inter=cfg.intermediate_size, kv_fp16=kv_dtype == torch.float16,
+                                     eps=cfg.rms_norm_eps, scale=scale, final_norm=decoder.norm.weight)
         self.hidden, self.head_dim, self.kv_dtype = cfg.hidden_size, head_dim, kv_dtype
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence, ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden states `[N, hidden]` of the step's tokens (`ids`, at
         `positions`), each sequence's K/V written at its slots (seq.offset: its first row)."""
-        rows = len(ids)
         h = self.embed(torch.tensor(ids, dtype=torch.long)).float().contiguous()
         cos, sin = self.rotary(h[None], positions[None])
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        plan, keep = self.plan(seqs, cos, sin)
-        out = torch.empty_like(h)
-        rc = self.lib.sk_forward(ctypes.byref(self.model), ctypes.byref(plan), rows, h.data_ptr(), out.data_ptr())
-        del keep
-        if rc:
-            raise MemoryError(f"the native forward failed ({rc}): out of memory or an inconsistent plan")
-        return out
-
-    def plan(self, seqs: Sequence, cos: torch.Tensor, sin: torch.Tensor):
-        """The step's plan for the C kernels: per sequence its rows, own cache and the group of
-        read-only ranges it reads (sequences reading the same ranges share a group)."""
-        groups: dict[tuple, int] = {}
-        ranges: list[ck.Range] = []
-        group_list: list[ck.Group] = []
-        cseqs = (ck.Seq * len(seqs))()
-        for i, seq in enumerate(seqs):
-            cache = seq.cache
-            parts = [p for c, n in seq.prefixes for p in read_only_parts(c, n)]
-            if cache.prefix_len:
-                parts.append((cache.prefix, cache.prefix_len))
-            parts = [(b, n) for b, n in parts if n > 0]
-            if len(parts) > MAX_RANGES:
-                raise ValueError(f"a sequence reads {len(parts)} read-only ranges; the native stack takes {MAX_RANGES}")
-            group = -1
-            if parts:
-                key = tuple((id(b), n) for b, n in parts)
-                group = groups.get(key, -1)
-                if group < 0:
-                    group = groups[key] = len(group_list)
-                    group_list.append(ck.Group(len(ranges), len(parts)))
-                    ranges.extend(_range(b, n) for b, n in parts)
-            own = _range(cache, 0)
-            cseqs[i] = ck.Seq(seq.offset, seq.n, seq.start - cache.prefix_len, group, own)
-        cranges = (ck.Range * max(1, len(ranges)))(*ranges)
-        cgroups = (ck.Group * max(1, len(group_list)))(*group_list)
-        plan = ck.Plan(len(seqs), len(group_list), cseqs, cgroups, cranges, cos.data_ptr(), sin.data_ptr())
-        return plan, (cseqs, cranges, cgroups, cos, sin)
+        plan = ck.StepPlan(seqs, cos[0].float().contiguous(), sin[0].float().contiguous())
+        return self.lib.forward(self.model, plan, h, torch.empty_like(h), self.ctx)

@@ -22,7 +22,17 @@
  * bit for bit the same alone or batched, and a replayed session equals the original.
  *
  * Built at first use by kernels/cpu.py (gcc -O3 -march=native); AVX-512 VNNI where the CPU
- * has it, portable C elsewhere. No global state but the thread pool.
+ * has it, portable C elsewhere.
+ *
+ * State: a caller's buffers and step timings live in an sk_ctx it creates (sk_ctx_new) and
+ * passes to every call. The one process-wide state is the thread pool (POOL, its workers'
+ * start generations, api_lock and the fork handler): threads belong to the process, and every
+ * caller shares one pool so that two engines never run twice the cores' threads; api_lock
+ * makes the callers take turns on it.
+ *
+ * ABI: kernels/cpu.py declares these structures with ctypes; sk_abi_version and the
+ * sk_sizeof_* / block-size getters below let it check, at load, that both sides agree.
+ * Calls return SK_OK or one of the SK_E* codes.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -58,6 +68,17 @@ int sk_simd(void) { return SK_AVX512 ? 2 : (SK_AVX2 ? 1 : 0); }
 #define ROW_TILE 16     /* rows per attention task of a longer sequence */
 #define MAX_THREADS 64
 #define ALIGN 64
+
+#define SK_ABI_VERSION 2 /* bump when a structure, a signature or a code below changes */
+enum {
+    SK_OK = 0,
+    SK_ENOMEM = -1,       /* a buffer could not be allocated */
+    SK_EINVAL = -2,       /* a bad argument: no rows, a width not in blocks of 32, heads not a multiple of kv heads */
+    SK_EUNSUPPORTED = -3, /* a valid request beyond what the kernels take (query heads per kv head, ranges) */
+    SK_EPLAN = -4,        /* an inconsistent plan: a sequence's rows or group out of range */
+};
+
+int sk_abi_version(void) { return SK_ABI_VERSION; }
 
 /* ---- fp16 ------------------------------------------------------------------------------ */
 
@@ -178,12 +199,12 @@ static void child_after_fork(void) {
     atomic_store(&POOL.sleeping, 0);
 }
 
+static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
+
+static void install_fork_handler(void) { pthread_atfork(NULL, NULL, child_after_fork); }
+
 int sk_set_threads(int n) {
-    static int fork_handler;
-    if (!fork_handler) {
-        pthread_atfork(NULL, NULL, child_after_fork);
-        fork_handler = 1;
-    }
+    pthread_once(&fork_handler, install_fork_handler);
     pthread_mutex_lock(&api_lock);
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
@@ -263,6 +284,10 @@ typedef struct {
 } sk_qmat;
 
 static inline int block_bytes(int bits) { return bits == 8 ? 512 + 32 : 256 + 64; }
+
+int sk_block_bytes(int bits) { return block_bytes(bits); }
+int sk_quant_block(void) { return QB; }
+int sk_matrix_cols(void) { return COLS; }
 
 int64_t sk_group_bytes(int bits, int k) { return (int64_t)(k / QB) * block_bytes(bits); }
 
@@ -570,15 +595,32 @@ static void *grow(void **buf, size_t *cap, size_t need) {
 
 static int act_alloc(act_t *a, int k, int rows, void **buf, size_t *cap) {
     char *base = grow(buf, cap, act_bytes(k, rows));
-    if (!base) return -1;
+    if (!base) return SK_ENOMEM;
     act_place(a, k, rows, base);
     return 0;
 }
 
 /* Where a step's time goes (sk_profile): seconds per thread and part, summed over steps. */
 enum { T_NORM, T_QKV, T_ROPE, T_ATTN_A, T_ATTN_B, T_O, T_GATE_UP, T_DOWN, T_WAIT, T_HEAD, T_PARTS };
-static int profiling;
-static double profile[MAX_THREADS][T_PARTS];
+
+/* A caller's state: the buffers its calls reuse (grown, never shrunk) and its step timings. */
+typedef struct sk_ctx {
+    void *ws_buf;       /* sk_forward's workspace */
+    size_t ws_cap;
+    void *linear_buf;   /* sk_linear's activations */
+    size_t linear_cap;
+    int profiling;
+    double profile[MAX_THREADS][T_PARTS];
+} sk_ctx;
+
+sk_ctx *sk_ctx_new(void) { return calloc(1, sizeof(sk_ctx)); }
+
+void sk_ctx_free(sk_ctx *c) {
+    if (!c) return;
+    free(c->ws_buf);
+    free(c->linear_buf);
+    free(c);
+}
 
 static inline double now_s(void) {
     struct timespec ts;
@@ -588,33 +630,39 @@ static inline double now_s(void) {
 
 /* Add the time since *mark to part `part` of thread `tid`; with `wait`, then wait at the
  * barrier and count that as waiting. */
-static inline void lap(int tid, int part, double *mark, int nth, int wait) {
-    if (profiling) {
+static inline void lap(sk_ctx *c, int tid, int part, double *mark, int nth, int wait) {
+    if (c->profiling) {
         double t = now_s();
-        profile[tid][part] += t - *mark;
+        c->profile[tid][part] += t - *mark;
         *mark = t;
     }
     if (wait) {
         barrier(nth);
-        if (profiling) {
+        if (c->profiling) {
             double t = now_s();
-            profile[tid][T_WAIT] += t - *mark;
+            c->profile[tid][T_WAIT] += t - *mark;
             *mark = t;
         }
     }
 }
 
-/* Start (1) or stop (0) timing; `out` (if not NULL) gets [threads][T_PARTS] seconds so far,
+/* Start (1) or stop (0) timing; `out` (if not NULL) gets [MAX_THREADS][T_PARTS] seconds so far,
  * then the counters reset. Returns the number of parts. */
-int sk_profile(int enable, double *out) {
-    if (out) memcpy(out, profile, sizeof(profile));
-    memset(profile, 0, sizeof(profile));
-    profiling = enable;
+int sk_profile(sk_ctx *c, int enable, double *out) {
+    pthread_mutex_lock(&api_lock); /* not while a call of this context's is running */
+    if (out) memcpy(out, c->profile, sizeof(c->profile));
+    memset(c->profile, 0, sizeof(c->profile));
+    c->profiling = enable;
+    pthread_mutex_unlock(&api_lock);
     return T_PARTS;
 }
 
+/* Rows of sk_profile's output (threads the pool may have). */
+int sk_max_threads(void) { return MAX_THREADS; }
+
 /* A standalone linear layer (the output head, a layer the HF model runs): y = x W^T (+ b). */
 typedef struct {
+    sk_ctx *c;
     const sk_qmat *W;
     const float *x;
     int rows;
@@ -626,22 +674,19 @@ typedef struct {
 static void linear_run(void *ctx, int tid, int nth) {
     linear_job *j = ctx;
     int lo, hi;
-    double mark = profiling ? now_s() : 0.0;
+    double mark = j->c->profiling ? now_s() : 0.0;
     split(j->rows, tid, nth, &lo, &hi);
     for (int r = lo; r < hi; r++) quantize_row(j->x + r * j->ldx, &j->act, r);
     barrier(nth);
     gemm_part(j->W, &j->act, j->rows, j->y, j->ldy, 0, tid, nth);
-    lap(tid, T_HEAD, &mark, nth, 0);
+    lap(j->c, tid, T_HEAD, &mark, nth, 0);
 }
 
-static void *linear_buf;
-static size_t linear_cap;
-
-int sk_linear(const sk_qmat *W, const float *x, int rows, int64_t ldx, float *y, int64_t ldy) {
-    if (W->k % QB) return -2;
-    linear_job j = {.W = W, .x = x, .rows = rows, .ldx = ldx, .ldy = ldy, .y = y};
+int sk_linear(sk_ctx *c, const sk_qmat *W, const float *x, int rows, int64_t ldx, float *y, int64_t ldy) {
+    if (rows <= 0 || W->k <= 0 || W->k % QB || (W->bits != 4 && W->bits != 8)) return SK_EINVAL;
+    linear_job j = {.c = c, .W = W, .x = x, .rows = rows, .ldx = ldx, .ldy = ldy, .y = y};
     pthread_mutex_lock(&api_lock);
-    int rc = act_alloc(&j.act, W->k, rows, &linear_buf, &linear_cap);
+    int rc = act_alloc(&j.act, W->k, rows, &c->linear_buf, &c->linear_cap);
     if (rc == 0) run_job(linear_run, &j);
     pthread_mutex_unlock(&api_lock);
     return rc;
@@ -977,6 +1022,7 @@ typedef struct {
 #define MAX_Q 1024   /* query vectors per attention task, at most (GROUP_ROWS x heads per kv head) */
 
 typedef struct {
+    sk_ctx *c;
     const sk_model *M;
     const sk_plan *plan;
     int rows, nth_max, qmax;
@@ -1365,52 +1411,50 @@ static void forward_job(void *ctx, int tid, int nth) {
     int N = F->rows, lo, hi, hidden = M->hidden, inter = M->inter;
     split(N, tid, nth, &lo, &hi);
     scratch_t t = scratch_for(F, tid);
-    double mark = profiling ? now_s() : 0.0;
+    sk_ctx *c = F->c;
+    double mark = c->profiling ? now_s() : 0.0;
     for (int layer = 0; layer < M->layers; layer++) {
         const sk_layer *L = &M->layer[layer];
         for (int r = lo; r < hi; r++) {
             rmsnorm(F->h + (int64_t)r * hidden, L->in_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
             quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
         }
-        lap(tid, T_NORM, &mark, nth, 1);
+        lap(c, tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->qkv, &F->act_h, N, F->qkv, qkv_width(M), 0, tid, nth);
-        lap(tid, T_QKV, &mark, nth, 1);
+        lap(c, tid, T_QKV, &mark, nth, 1);
         for (int r = lo; r < hi; r++) prepare_row(F, layer, r);
-        lap(tid, T_ROPE, &mark, nth, 1);
+        lap(c, tid, T_ROPE, &mark, nth, 1);
         atomic_int *next = F->next + 2 * layer;
         for (int i; (i = atomic_fetch_add(&next[0], 1)) < F->ntasks_a;) run_a(F, &F->tasks_a[i], layer, &t);
-        lap(tid, T_ATTN_A, &mark, nth, 1);
+        lap(c, tid, T_ATTN_A, &mark, nth, 1);
         for (int i; (i = atomic_fetch_add(&next[1], 1)) < F->ntasks_b;) run_b(F, &F->tasks_b[i], layer, &t);
-        lap(tid, T_ATTN_B, &mark, nth, 1);
+        lap(c, tid, T_ATTN_B, &mark, nth, 1);
         for (int r = lo; r < hi; r++) quantize_row(F->attn + (int64_t)r * M->heads * M->head_dim, &F->act_a, r);
-        lap(tid, T_NORM, &mark, nth, 1);
+        lap(c, tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->o, &F->act_a, N, F->h, hidden, 1, tid, nth);
-        lap(tid, T_O, &mark, nth, 1);
+        lap(c, tid, T_O, &mark, nth, 1);
         for (int r = lo; r < hi; r++) {
             rmsnorm(F->h + (int64_t)r * hidden, L->post_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
             quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
         }
-        lap(tid, T_NORM, &mark, nth, 1);
+        lap(c, tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->gate_up, &F->act_h, N, F->gu, 2 * inter, 0, tid, nth);
-        lap(tid, T_GATE_UP, &mark, nth, 1);
+        lap(c, tid, T_GATE_UP, &mark, nth, 1);
         for (int r = lo; r < hi; r++) {
             float *g = F->gu + (int64_t)r * 2 * inter, *u = g + inter;
             silu_mul(g, u, inter);
             quantize_row(g, &F->act_i, r);
         }
-        lap(tid, T_NORM, &mark, nth, 1);
+        lap(c, tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->down, &F->act_i, N, F->h, hidden, 1, tid, nth);
-        lap(tid, T_DOWN, &mark, nth, 1);
+        lap(c, tid, T_DOWN, &mark, nth, 1);
     }
     if (F->out)
         for (int r = lo; r < hi; r++) rmsnorm(F->h + (int64_t)r * hidden, M->final_norm, hidden, M->eps, F->out + (int64_t)r * hidden);
-    lap(tid, T_NORM, &mark, nth, 0);
+    lap(c, tid, T_NORM, &mark, nth, 0);
 }
 
 /* ---- the step's plan: slots, tasks, workspace --------------------------------------------- */
-
-static void *ws_buf;
-static size_t ws_cap;
 
 #define CARVE(ptr, type, count)                                                                                  \
     do {                                                                                                         \
@@ -1418,27 +1462,34 @@ static size_t ws_cap;
         off += ((size_t)(count) * sizeof(type) + ALIGN - 1) / ALIGN * ALIGN;                                     \
     } while (0)
 
+/* The most rows of one kv head an attention task holds queries for. */
+static inline int task_rows(void) {
+    int most = GROUP_ROWS > ROW_TILE ? GROUP_ROWS : ROW_TILE;
+    return most > SPLIT_ROWS ? most : SPLIT_ROWS;
+}
+
 /* Run every layer for `rows` packed rows. h: [rows, hidden] (updated in place: the residual
  * stream); out: [rows, hidden] the final-normed hidden states (or NULL). Returns 0, or a
  * negative number when memory runs out or the plan is inconsistent. */
-static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *h, float *out);
+static int forward_locked(sk_ctx *c, const sk_model *M, const sk_plan *P, int rows, float *h, float *out);
 
-int sk_forward(const sk_model *M, const sk_plan *P, int rows, float *h, float *out) {
+int sk_forward(sk_ctx *c, const sk_model *M, const sk_plan *P, int rows, float *h, float *out) {
     pthread_mutex_lock(&api_lock);
-    int rc = forward_locked(M, P, rows, h, out);
+    int rc = forward_locked(c, M, P, rows, h, out);
     pthread_mutex_unlock(&api_lock);
     return rc;
 }
 
-static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *h, float *out) {
-    if (rows <= 0 || M->heads % M->kv_heads) return -2;
+static int forward_locked(sk_ctx *c, const sk_model *M, const sk_plan *P, int rows, float *h, float *out) {
+    if (rows <= 0 || M->kv_heads <= 0 || M->heads <= 0 || M->heads % M->kv_heads) return SK_EINVAL;
     int G = M->heads / M->kv_heads, dim = M->head_dim, nth = POOL.nth;
-    int most = GROUP_ROWS > ROW_TILE ? GROUP_ROWS : ROW_TILE;
-    int qmax = G * (most > SPLIT_ROWS ? most : SPLIT_ROWS);
-    if (qmax > MAX_Q) return -3; /* more query heads per kv head than a task's arrays hold */
-    for (int g = 0; g < P->ngroups; g++)
-        if (P->groups[g].nranges < 0 || P->groups[g].nranges >= MAX_SEGS) return -3;
-    fwd_t F = {.M = M, .plan = P, .rows = rows, .h = h, .out = out, .qmax = qmax};
+    int qmax = G * task_rows();
+    if (qmax > MAX_Q) return SK_EUNSUPPORTED; /* more query heads per kv head than a task's arrays hold */
+    for (int g = 0; g < P->ngroups; g++) {
+        if (P->groups[g].nranges < 0) return SK_EPLAN;
+        if (P->groups[g].nranges >= MAX_SEGS) return SK_EUNSUPPORTED; /* more ranges than a chunk's runs hold */
+    }
+    fwd_t F = {.c = c, .M = M, .plan = P, .rows = rows, .h = h, .out = out, .qmax = qmax};
     int32_t group_len[P->ngroups + 1], group_members[P->ngroups + 1];
     F.group_len = group_len;
     for (int g = 0; g < P->ngroups; g++) {
@@ -1450,7 +1501,7 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
     int na = 0, nb = 0;
     for (int s = 0; s < P->nseqs; s++) {
         const sk_seq *q = &P->seqs[s];
-        if (q->row0 < 0 || q->n <= 0 || q->row0 + q->n > rows || q->group >= P->ngroups) return -3;
+        if (q->row0 < 0 || q->n <= 0 || q->row0 + q->n > rows || q->group >= P->ngroups) return SK_EPLAN;
         if (q->group >= 0) group_members[q->group] += q->n;
         slot_total += (int64_t)q->n * seq_slots(&F, q);
         if (is_split(q)) na += (chunks_of(seq_before(&F, q) + q->start + q->n) - seq_shared(&F, q)) * M->kv_heads;
@@ -1470,8 +1521,8 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
     need += (size_t)rows * 12 + (size_t)(P->ngroups + 1) * 8;
     need += (size_t)(na + nb + 2) * sizeof(task_t) + (size_t)M->layers * 2 * sizeof(atomic_int);
     need += (size_t)nth * F.scratch_floats * 4 + 32 * ALIGN;
-    char *base = grow(&ws_buf, &ws_cap, need);
-    if (!base) return -1;
+    char *base = grow(&c->ws_buf, &c->ws_cap, need);
+    if (!base) return SK_ENOMEM;
     size_t off = 0;
     CARVE(F.norm, float, (size_t)rows * M->hidden);
     CARVE(F.qkv, float, (size_t)rows * wq);
@@ -1535,5 +1586,21 @@ static int forward_locked(const sk_model *M, const sk_plan *P, int rows, float *
     F.ntasks_b = ib;
     for (int i = 0; i < M->layers * 2; i++) atomic_init(&F.next[i], 0);
     run_job(forward_job, &F);
-    return 0;
+    return SK_OK;
 }
+
+/* ---- the ABI: what kernels/cpu.py checks its ctypes declarations against at load ----------- */
+
+int64_t sk_sizeof_qmat(void) { return (int64_t)sizeof(sk_qmat); }
+int64_t sk_sizeof_layer(void) { return (int64_t)sizeof(sk_layer); }
+int64_t sk_sizeof_model(void) { return (int64_t)sizeof(sk_model); }
+int64_t sk_sizeof_range(void) { return (int64_t)sizeof(sk_range); }
+int64_t sk_sizeof_seq(void) { return (int64_t)sizeof(sk_seq); }
+int64_t sk_sizeof_group(void) { return (int64_t)sizeof(sk_group); }
+int64_t sk_sizeof_plan(void) { return (int64_t)sizeof(sk_plan); }
+
+/* Read-only ranges a sequence may read (a chunk's runs hold them and the own cache). */
+int sk_max_ranges(void) { return MAX_SEGS - 1; }
+
+/* Query heads per kv head the attention tasks hold. */
+int sk_max_group(void) { return MAX_Q / task_rows(); }

@@ -14,7 +14,6 @@
   same arithmetic and keeps these properties; a missing compiler is a clear error.
 """
 
-import ctypes
 import time
 
 import pytest
@@ -65,9 +64,7 @@ def path_lib(name: str):
 
 
 def linear_with(lib, matrix: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
-    y = torch.empty(x.shape[0], matrix.n)
-    assert lib.sk_linear(ctypes.byref(matrix.c), x.data_ptr(), x.shape[0], matrix.k, y.data_ptr(), matrix.n) == 0
-    return y
+    return lib.linear(matrix.c, x.contiguous(), torch.empty(x.shape[0], matrix.n))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -98,18 +95,18 @@ def test_a_row_never_depends_on_the_others_or_the_threads(path):
     linear = torch.nn.Linear(576, 200, bias=False)
     x = torch.randn(300, 576)
     lib = path_lib(path)
-    threads = lib.sk_threads()
+    threads = lib.threads()
     try:
         for bits in (4, 8):
             matrix = quantize([linear], bits)
-            lib.sk_set_threads(2)
+            lib.set_threads(2)
             full = linear_with(lib, matrix, x)
             for lo, hi in ((0, 1), (5, 8), (17, 81), (299, 300)):
                 assert torch.equal(linear_with(lib, matrix, x[lo:hi]), full[lo:hi])
-            lib.sk_set_threads(1)
+            lib.set_threads(1)
             assert torch.equal(linear_with(lib, matrix, x), full)
     finally:
-        lib.sk_set_threads(threads)
+        lib.set_threads(threads)
 
 
 def test_views_of_a_fused_matrix_are_its_rows():
@@ -133,8 +130,7 @@ def tiny_runners(tokenizer, kv_dtype, seed=21, path="native", model=None, **shap
     lm = build_tiny_model(tokenizer, seed=seed, **shape) if model is None else model
     info = apply_weights(lm.model, "int4", native=True)
     native = ModelRunner(lm.model, tokenizer, lm.name, info)
-    native.native = NativeStack(lm.model, kv_dtype)
-    native.native.lib = path_lib(path)
+    native.native = NativeStack(lm.model, kv_dtype, path_lib(path))
     s = native.kv_shape
     native.kv_shape = KVShape(s.layers, s.kv_heads, s.head_dim, kv_dtype, s.device)
     ref = ModelRunner(lm.model, tokenizer, lm.name, info)
@@ -219,15 +215,15 @@ def test_a_sequence_reads_the_same_alone_or_batched(tokenizer, path):
         (out,) = alone.step([seqs[i]])
         assert torch.equal(out, together[i]), i
     lib = native.native.lib
-    threads = lib.sk_threads()
+    threads = lib.threads()
     try:
-        lib.sk_set_threads(1)
+        lib.set_threads(1)
         single = World(native, prompt, reading)
         for a, b in zip(single.step(single.mixed_step(reading)), together):
             assert torch.equal(a, b)
         assert torch.equal(single.private.snapshot(), batched.private.snapshot())
     finally:
-        lib.sk_set_threads(threads)
+        lib.set_threads(threads)
 
 
 def _fp16_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -405,3 +401,96 @@ def test_the_stack_runs_the_other_families(tokenizer, kind):
             rows.append(runner.forward([SeqStep(cache, i, [ids[i]])], logits="all")[0])
         outs.append(torch.cat(rows))
     close_rows(outs[0], outs[1])
+
+
+# ---- the C boundary: the ABI checked at load, sizes from C, one exception per error code ------
+
+
+def test_the_library_states_its_abi_and_the_sizes_python_uses():
+    lib = ck.load()
+    ck.check_abi(lib.cdll)  # this build agrees with the declarations
+    assert lib.block_bytes == {4: 256 + 64, 8: 512 + 32}  # 16 columns' codes, then their scales (and offsets)
+    assert (lib.quant_block, lib.matrix_cols, lib.max_ranges, lib.max_group) == (32, 16, 16, 32)
+    assert lib.group_bytes(8, 64) == 2 * lib.block_bytes[8] and lib.matrix_bytes(4, 17, 32) == 2 * lib.block_bytes[4]
+    matrix = quantize([torch.nn.Linear(64, 32)], 4)
+    assert matrix.group_bytes == 2 * lib.block_bytes[4]
+
+
+def test_the_abi_check_bites():
+    import ctypes
+
+    lib = ck.load()
+    with pytest.raises(ck.KernelAbiError, match=r"sk_qmat is 40 bytes in C, 48 in cpu.py"):
+        ck.check_abi(lib.cdll, sizes={"qmat": 48})
+    with pytest.raises(ck.KernelAbiError, match=f"ABI is version {ck.ABI_VERSION}, kernels/cpu.py declares"):
+        ck.check_abi(lib.cdll, version=ck.ABI_VERSION + 1)
+
+    class Wider(ctypes.Structure):  # a range declared with a field C does not have
+        _fields_ = [*ck.Range._fields_, ("extra", ctypes.c_int64)]
+
+    ck.STRUCTS["range"] = Wider
+    try:
+        with pytest.raises(ck.KernelAbiError, match="sk_range is 40 bytes in C, 48"):
+            ck.Kernels(ctypes.CDLL(str(ck.build())))  # what load() does: it refuses the library
+    finally:
+        ck.STRUCTS["range"] = ck.Range
+
+
+def _struct(c):
+    """A model or plan structure as the kernels' typed objects carry it."""
+    return type("Held", (), {"c": c})()
+
+
+def test_each_error_code_is_its_own_exception():
+    lib = ck.load()
+    ctx = lib.context()  # its own buffers: the failed allocation below frees nothing of another caller's
+    # SK_ENOMEM: 2^30 rows of 2^20 inputs need a 1 PiB activation buffer (rows alias one row: nothing is read)
+    k = 1 << 20
+    data = torch.zeros(lib.matrix_bytes(8, 16, k), dtype=torch.uint8)
+    big = ck.QMat(8, 16, k, 0, lib.group_bytes(8, k), data.data_ptr(), None)
+    x = torch.zeros(k).as_strided((1 << 30, k), (0, 1))
+    y = torch.zeros(16).as_strided((1 << 30, 16), (0, 1))
+    with pytest.raises(ck.KernelOutOfMemory, match=r"sk_linear failed \(-1\): out of memory") as oom:
+        lib.linear(big, x, y, ctx)
+    assert isinstance(oom.value, MemoryError) and oom.value.code == -1
+    # SK_EINVAL: a width that is not whole blocks of 32
+    odd = ck.QMat(4, 16, 40, 0, 0, data.data_ptr(), None)
+    with pytest.raises(ck.KernelBadArgument, match=r"sk_linear failed \(-2\): a bad argument"):
+        lib.linear(odd, torch.zeros(1, 40), torch.zeros(1, 16), ctx)
+    # ... and query heads that are not a multiple of the kv heads
+    h = torch.zeros(1, 64)
+    empty = _struct(ck.Plan(0, 0, None, None, None, None, None))
+    with pytest.raises(ck.KernelBadArgument, match=r"sk_forward failed \(-2\)"):
+        lib.forward(_struct(ck.Model(1, 64, 4, 3, 16, 128, 1, 0, 1e-5, 0.25, None, None)), empty, h, h, ctx)
+    # SK_EUNSUPPORTED: more query heads per kv head than the kernels take, or more read-only ranges
+    with pytest.raises(ck.KernelUnsupported, match=r"sk_forward failed \(-3\): beyond what the kernels take"):
+        lib.forward(_struct(ck.Model(1, 64, 2 * lib.max_group, 1, 16, 128, 1, 0, 1e-5, 0.25, None, None)),
+                    empty, h, h, ctx)
+    model = _struct(ck.Model(1, 64, 4, 2, 16, 128, 1, 0, 1e-5, 0.25, None, None))
+    groups = (ck.Group * 1)(ck.Group(0, lib.max_ranges + 1))
+    with pytest.raises(ck.KernelUnsupported, match=r"\(-3\)"):
+        lib.forward(model, _struct(ck.Plan(0, 1, None, groups, None, None, None)), h, h, ctx)
+    # SK_EPLAN: a sequence whose rows run past the step's
+    seqs = (ck.Seq * 1)(ck.Seq(0, 5, 0, -1, ck.Range()))
+    with pytest.raises(ck.KernelPlanError, match=r"sk_forward failed \(-4\): an inconsistent plan"):
+        lib.forward(model, _struct(ck.Plan(1, 0, seqs, None, None, None, None)), h, h, ctx)
+    with pytest.raises(ck.KernelError, match="an unknown error code"):
+        ck.check("sk_forward", -99)
+    matrix = quantize([torch.nn.Linear(64, 32)], 4)  # and the context whose allocation failed still runs
+    assert torch.equal(lib.linear(matrix.c, h, torch.empty(1, 32), ctx), matrix(h))
+
+
+def test_a_context_times_its_own_calls():
+    """Step timings live in the caller's context (sk_ctx), not in the library: profiling one
+    context times its calls and leaves another's counters alone."""
+    lib = ck.load()
+    mine, other = lib.context(), lib.context()
+    matrix = quantize([torch.nn.Linear(256, 64)], 8)
+    x = torch.randn(64, 256)
+    mine.profile(True)
+    for _ in range(3):
+        lib.linear(matrix.c, x, torch.empty(64, 64), mine)
+        lib.linear(matrix.c, x, torch.empty(64, 64), other)
+    head = ck.PROFILE_PARTS.index("head")
+    assert mine.profile(False)[0][head] > 0
+    assert other.profile(False)[0][head] == 0
