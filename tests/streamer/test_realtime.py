@@ -233,11 +233,21 @@ def test_an_image_item_goes_into_a_tiny_vl_session():
         async with client(server.port).realtime.connect(model="streamer") as conn:
             events = Events(conn)
             sid = (await events.next("session.created")).session.model_extra["id"]
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_image", "image_url": f"data:image/png;base64,{png}"}]})
+            image = {"type": "message", "role": "user", "content": [
+                {"type": "input_image", "image_url": f"data:image/png;base64,{png}"}]}
+            await conn.conversation.item.create(item=image, event_id="img")
             done = await events.next("conversation.item.done")
             assert done.item.content[0].type == "input_image" and done.item.status == "completed"
             assert state(server, sid)["frames"] == 1  # in the session's cache when the item is done
+            for _ in range(200):  # its event id is logged once it is in (the media path logs the frame)
+                received = [r for r in await server.store.read_log(sid) if r["kind"] == "received"]
+                if received:
+                    break
+                await asyncio.sleep(0.05)
+            assert [(r["event_id"], r["item_id"]) for r in received] == [("img", done.item.id)]
+            await conn.conversation.item.create(item=image, event_id="img")  # a resend: the same item, no frame
+            assert (await events.next("conversation.item.done")).item.id == done.item.id
+            assert state(server, sid)["frames"] == 1
             await conn.response.create(response={"instructions": "What is it?", "max_output_tokens": 3})
             _, _, finished = await events.response()
             assert finished.response.usage.input_token_details.cached_tokens > 16
@@ -329,3 +339,88 @@ def test_a_reconnect_after_a_restart_resumes_the_session_with_nothing_lost(tiny_
             await first.stop()
 
     asyncio.run(main())
+
+
+def test_a_resend_after_a_restart_is_told_from_the_log_and_its_checkpoint(tiny_engine, tmp_path):
+    """The event ids are logged with the items they made (and a checkpoint keeps the newest), so
+    after the server restarts an item sent again with the same event_id is answered with the item
+    it made and not applied twice, even when its record was compacted into a checkpoint; a
+    two-part item too; a new item takes a new id."""
+    store = str(tmp_path / "store")
+    config = dict(store_url=store, checkpoint_records=3, checkpoint_min_records=1)
+
+    async def main():
+        first = await StreamerServer(tiny_engine, ServerConfig(port=0, **config)).start()
+        port, resume, second = first.port, {}, None
+        reconnecting = asyncio.Event()
+
+        def on_reconnecting(event):
+            reconnecting.set()
+            return {"extra_query": {**event.extra_query, **resume}}
+
+        pair = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": LINES[4]},
+                                                               {"type": "input_text", "text": LINES[5]}]}
+        try:
+            async with client(port).realtime.connect(model="streamer", on_reconnecting=on_reconnecting) as conn:
+                events = Events(conn)
+                created = await events.next("session.created")
+                sid = created.session.model_extra["id"]
+                resume.update(created.session.model_extra["streamer"]["resume_query"])
+                ids = {eid: (await text_item(conn, events, LINES[i], eid)).item.id for i, eid in enumerate("abcd")}
+                await conn.conversation.item.create(item=pair, event_id="pair")
+                ids["pair"] = (await events.next("conversation.item.done")).item.id
+                for _ in range(600):  # a checkpoint compacts the log (taken in the background)
+                    if first.events.counters["checkpoints"] >= 1 and first.events.counters["log_compacted"] >= 1:
+                        break
+                    await asyncio.sleep(0.05)
+                inputs = state(first, sid)["inputs"]
+                assert inputs == 6
+                await first.shutdown(grace_s=1.0)
+                await asyncio.wait_for(reconnecting.wait(), 30)
+                second = await StreamerServer(tiny_engine, ServerConfig(port=port, **config)).start()
+                again = await events.next("session.created")
+                assert again.session.model_extra["streamer"]["resumed"] is True
+                raw = await second.store.read_log(sid)
+                assert not any(r.get("event_id") == "a" for r in raw)  # its append was compacted away...
+                assert any("a" in dict(r.get("event_ids") or ()) for r in raw if r["kind"] == "checkpoint")  # ...kept
+                for eid, line in (("a", LINES[0]), ("d", LINES[3])):
+                    done = await text_item(conn, events, line, eid)
+                    assert done.item.id == ids[eid] and done.item.content[0].text == line
+                await conn.conversation.item.create(item=pair, event_id="pair")
+                done = await events.next("conversation.item.done")
+                assert done.item.id == ids["pair"] and len(done.item.content) == 2
+                assert state(second, sid)["inputs"] == inputs  # nothing applied twice
+                fresh = await text_item(conn, events, "Day seven: home.", "e")
+                assert fresh.item.id not in ids.values()
+                assert state(second, sid)["inputs"] == inputs + 1
+        finally:
+            if second is not None:
+                await second.stop()
+            await first.stop()
+
+    asyncio.run(main())
+
+
+def test_the_event_ids_a_log_holds_are_bounded_and_kept_by_a_checkpoint():
+    from collections import OrderedDict
+
+    from streamer.records import MAX_LOGGED_EVENT_IDS, note_event_ids
+
+    seen: OrderedDict = OrderedDict()
+    for record in ({"kind": "append", "text": "x", "event_id": "e1", "item_id": "i1"},
+                   {"kind": "append", "text": "y", "event_id": "e1", "item_id": "i1"},  # its second part
+                   {"kind": "received", "event_id": "img", "item_id": "i2"},
+                   {"kind": "flash.register", "question": "q", "flash_id": "f", "event_id": "s"},
+                   {"kind": "append", "text": "z", "client_seq": 3},  # a native input: no event id
+                   {"kind": "append", "text": "w", "event_id": "again", "item_id": "i3"},
+                   {"kind": "append", "text": "w", "event_id": "again", "item_id": "i4"}):  # a new item, same id
+        note_event_ids(seen, record)
+    assert seen == {"e1": {"item_id": "i1", "texts": 2}, "img": {"item_id": "i2", "texts": 0, "done": True},
+                    "s": {"flash_id": "f"}, "again": {"item_id": "i4", "texts": 1}}
+    restored: OrderedDict = OrderedDict()
+    note_event_ids(restored, {"kind": "checkpoint", "state": {}, "blob": "b",
+                              "event_ids": [[k, v] for k, v in seen.items()]})
+    assert list(restored.items()) == list(seen.items())
+    for i in range(MAX_LOGGED_EVENT_IDS):
+        note_event_ids(restored, {"kind": "append", "text": "t", "event_id": f"n{i}", "item_id": f"x{i}"})
+    assert len(restored) == MAX_LOGGED_EVENT_IDS and "e1" not in restored and f"n{MAX_LOGGED_EVENT_IDS - 1}" in restored
