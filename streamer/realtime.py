@@ -96,7 +96,8 @@ class RealtimeSession:
     last_user_text: str | None = None
     last_audio_item: str | None = None
     audio: bytearray = field(default_factory=bytearray)
-    seen: OrderedDict = field(default_factory=OrderedDict)  # event_id -> item (dict) or None while pending
+    # event_id -> its item (dict), the _Item while pending, "standing", or what the log says (Logged)
+    seen: OrderedDict = field(default_factory=OrderedDict)
     standing: dict[str, dict] = field(default_factory=dict)  # flash_id -> {"metadata", "max_tokens"}
     image_duplicates: int = 0
 
@@ -149,7 +150,7 @@ class RealtimeProtocol(ServerProtocol):
         super().__init__(limits)
         self.sessions, self.model, self.max_answer_tokens = sessions, model, max_answer_tokens
         self.count_tokens = count_tokens
-        self.logged = logged  # session id -> the event ids its log holds (EventLog.event_ids)
+        self.logged = logged  # session id -> the event ids its log holds (eventlog.logged_event_ids)
         self.received: list[tuple[str, str]] = []  # (event id, item id) of media items in: to log
         self.rt: RealtimeSession | None = None
         self.fatal: tuple[str, str] | None = None  # the session could not be opened: close with this
@@ -283,7 +284,7 @@ class RealtimeProtocol(ServerProtocol):
         content = item.get("content")
         if not isinstance(content, list) or not content:
             raise Refused(Code.MISSING_FIELD, "item.content must be a non-empty list", "item.content")
-        if msg.get("previous_item_id") not in (None, rt.last_item_id):
+        if msg.get("previous_item_id") not in (None, rt.last_item_id) and not isinstance(logged, Logged):
             raise Refused(Code.INVALID_FIELD, "items are input in arrival order: previous_item_id must be the last "
                           "item or absent", "previous_item_id")
         parts = []

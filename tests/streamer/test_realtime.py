@@ -369,6 +369,12 @@ def test_a_resend_after_a_restart_is_told_from_the_log_and_its_checkpoint(tiny_e
                 ids = {eid: (await text_item(conn, events, LINES[i], eid)).item.id for i, eid in enumerate("abcd")}
                 await conn.conversation.item.create(item=pair, event_id="pair")
                 ids["pair"] = (await events.next("conversation.item.done")).item.id
+                # a standing question whose metadata is too long for its flash id (a new id each time)
+                standing = {"conversation": "none", "metadata": {"topic": "where the ship is " * 5},
+                            "instructions": "Where is the ship?", "max_output_tokens": 4}
+                await conn.response.create(response=standing, event_id="sq")
+                await events.response(lambda e: e.response.metadata == standing["metadata"])
+                assert len(state(first, sid)["flash"]) == 1
                 for _ in range(600):  # a checkpoint compacts the log (taken in the background)
                     if first.events.counters["checkpoints"] >= 1 and first.events.counters["log_compacted"] >= 1:
                         break
@@ -389,10 +395,13 @@ def test_a_resend_after_a_restart_is_told_from_the_log_and_its_checkpoint(tiny_e
                 await conn.conversation.item.create(item=pair, event_id="pair")
                 done = await events.next("conversation.item.done")
                 assert done.item.id == ids["pair"] and len(done.item.content) == 2
+                await conn.response.create(response=standing, event_id="sq")
                 assert state(second, sid)["inputs"] == inputs  # nothing applied twice
-                fresh = await text_item(conn, events, "Day seven: home.", "e")
+                fresh = await text_item(conn, events, "Day seven: home.", "e")  # after the standing question's resend
                 assert fresh.item.id not in ids.values()
-                assert state(second, sid)["inputs"] == inputs + 1
+                st = state(second, sid)
+                assert st["inputs"] == inputs + 1 and len(st["flash"]) == 1  # the standing question is not taken twice
+                assert not [e for e in events.seen if e.type == "error"]
         finally:
             if second is not None:
                 await second.stop()
