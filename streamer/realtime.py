@@ -295,12 +295,14 @@ class RealtimeProtocol(ServerProtocol):
         if isinstance(logged, Logged) and not logged.flash_id:  # taken before a restart: what of it is in
             texts = sum(kind == "text" for kind, _ in parts)
             if logged.done or (texts == len(parts) and logged.texts >= texts):
-                taken = rt.seen[event_id] = self._item(logged.item_id, item["role"], content)
+                taken = rt.seen[event_id] = self._item(logged.item_id, item["role"], content,
+                                                       logged.item_id is not None)
                 return self.out.item_events(taken, event_id)
             skip = logged.texts  # its first text parts are in the session: the rest goes in
             parts = [p for i, p in enumerate(parts) if p[0] != "text" or sum(k == "text" for k, _ in parts[:i]) >= skip]
             item = {**item, "id": logged.item_id or item.get("id")}
-        entry = _Item(self._item(item.get("id"), item["role"], content), event_id, len(parts))
+        again = isinstance(logged, Logged) and not logged.flash_id and logged.item_id is not None
+        entry = _Item(self._item(item.get("id"), item["role"], content, again), event_id, len(parts))
         out: list[Command | str] = []
         for kind, value in parts:
             out.append(self._input(entry, kind, value))
@@ -347,7 +349,8 @@ class RealtimeProtocol(ServerProtocol):
         rt = self.rt
         logged = rt.seen.get(event_id) if event_id is not None else None
         if isinstance(logged, Logged) and logged.done:  # committed before a restart
-            taken = rt.seen[event_id] = self._item(logged.item_id, "user", [{"type": "input_audio"}])
+            taken = rt.seen[event_id] = self._item(logged.item_id, "user", [{"type": "input_audio"}],
+                                                   logged.item_id is not None)
             return self.out.item_events(taken, event_id)
         if (dup := self._duplicate(event_id)) is not None:
             return dup
@@ -468,9 +471,10 @@ class RealtimeProtocol(ServerProtocol):
         while len(seen) > MAX_SEEN_EVENT_IDS:
             seen.popitem(last=False)
 
-    def _item(self, item_id: Any, role: str, content: list) -> dict:
+    def _item(self, item_id: Any, role: str, content: list, logged: bool = False) -> dict:
+        """An item as answered; `logged`: one the log knows (a resend after a restart), not a new one."""
         rt = self.rt
-        rt.items += 1
+        rt.items += not logged
         kept = [{k: v for k, v in p.items() if k not in ("audio", "image_url")} for p in content]
         return {"id": item_id if isinstance(item_id, str) and item_id else f"item_{rt.session_id}_{rt.items}",
                 "object": "realtime.item", "type": "message", "role": role, "status": "completed", "content": kept}

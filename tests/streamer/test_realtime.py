@@ -433,3 +433,30 @@ def test_the_event_ids_a_log_holds_are_bounded_and_kept_by_a_checkpoint():
     for i in range(MAX_LOGGED_EVENT_IDS):
         note_event_ids(restored, {"kind": "append", "text": "t", "event_id": f"n{i}", "item_id": f"x{i}"})
     assert len(restored) == MAX_LOGGED_EVENT_IDS and "e1" not in restored and f"n{MAX_LOGGED_EVENT_IDS - 1}" in restored
+
+
+def test_a_resend_told_from_the_log_adds_only_what_is_not_in():
+    """After a restart (the layer's state from the log's event ids, sans I/O): an item whose text
+    parts are all in is answered with its item; one whose first part only was logged sends the
+    rest under the same item; a new item takes a number the logged ones did not use."""
+    import json
+
+    from streamer.protocol import Command, ProtocolLimits
+    from streamer.realtime import RealtimeProtocol, _remembered
+
+    proto = RealtimeProtocol(ProtocolLimits(), {}, "tiny", 128)
+    proto.rt = _remembered("s1", {"whole": {"item_id": "item_s1_3", "texts": 1},
+                                  "half": {"item_id": "item_s1_4", "texts": 1}})
+
+    def send(event_id: str, *texts: str) -> list:
+        return proto.receive_realtime(json.dumps({"type": "conversation.item.create", "event_id": event_id, "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": t} for t in texts]}}))
+
+    whole = send("whole", LINES[0])
+    assert not [a for a in whole if isinstance(a, Command)]
+    assert [json.loads(a)["item"]["id"] for a in whole] == ["item_s1_3", "item_s1_3"]  # added, done
+    half = [a for a in send("half", LINES[1], LINES[2]) if isinstance(a, Command)]
+    assert [(c.type, c["text"], c.fields["logged"]) for c in half] == [
+        ("input.text.append", LINES[2], {"event_id": "half", "item_id": "item_s1_4"})]
+    fresh = [a for a in send("new", LINES[3]) if isinstance(a, Command)]
+    assert fresh[0].fields["logged"] == {"event_id": "new", "item_id": "item_s1_5"}
