@@ -375,6 +375,4 @@ def gguf_blocks(model: torch.nn.Module, path: Path) -> tuple[dict[str, Block], R
         if block is not None:
             out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = block
     repack.finish(time.monotonic() - started)
-    if repack.tensors:
-        log.info("%s: %s", path.name, repack.describe())
-    return out, repack
+    return out, repack  # logged as packed (weights.py: fusing can make 4-bit blocks Q8_0)

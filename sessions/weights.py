@@ -329,6 +329,7 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
 
             def pack() -> tuple[dict, str | dict]:
                 blocks, repack = _gguf_native_blocks(model, gguf_path)
+                repack = _as_packed(model, fmt, blocks, repack, gguf_path)
                 matrices = pack_native(model, fmt, blocks)
                 used = any(fmt == "int4" or b[0] == 8 for b in blocks.values())
                 if not used:
@@ -376,6 +377,46 @@ def _gguf_native_blocks(model: nn.Module, gguf_path: Path | None) -> tuple[dict,
     if gguf_path is None:
         return {}, Repack()
     return gguf_blocks(model, gguf_path)
+
+
+def _as_packed(model: nn.Module, fmt: str, blocks: dict, repack, gguf_path: Path | None):
+    """The repacking report as `pack_native` packs the blocks: a fused matrix with an 8-bit part
+    (a Q4_K_M layer's Q6_K attn_v beside Q4_K q and k), and every matrix under int8, is Q8_0, and
+    its 4-bit parts are then Q8_0 of their float weights (sessions/native.py `quantize`), not
+    Q4_1 nor their own blocks: they are counted as `<type>->Q8_0`, with their requantization
+    error in the report's."""
+    from .gguf_file import Repack, open_gguf
+    from .native import FUSED, QB, quantize_q8_0
+
+    if not blocks:
+        return repack
+    types = {}
+    for t in open_gguf(Path(gguf_path)).tensors:
+        parts = t.name.split(".")  # blk.{i}.{kind}.weight
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
+            types[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = t.tensor_type.name
+    out = Repack(dict(repack.tensors), _err=repack._err, _ref=repack._ref)
+    for i in range(len(model.model.layers)):
+        for owner, linears in FUSED.values():
+            names = [f"model.layers.{i}.{owner}.{n}" for n in linears]
+            given = [blocks.get(n) for n in names]
+            if fmt != "int8" and not any(b is not None and b[0] == 8 for b in given):
+                continue  # 4-bit: the blocks as gguf_blocks reported them
+            for name, block in zip(names, given):
+                if block is None or block[0] == 8:
+                    continue
+                kind = types[name]
+                if out.tensors.get(f"{kind}->Q4_1"):
+                    out.tensors[f"{kind}->Q4_1"] -= 1
+                    if not out.tensors[f"{kind}->Q4_1"]:
+                        del out.tensors[f"{kind}->Q4_1"]
+                weight = model.get_submodule(name).weight.detach().float()
+                codes, d = quantize_q8_0(weight)
+                back = (codes.float().reshape(d.shape[0], -1, QB) - 128) * d.float()[..., None]
+                out.add(f"{kind}->Q8_0", float((back.reshape(weight.shape) - weight).double().pow(2).sum()),
+                        float(weight.double().pow(2).sum()))
+    out.finish(repack.seconds)
+    return out
 
 
 def _gguf_source(gguf_path: Path) -> str:

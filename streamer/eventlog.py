@@ -38,6 +38,7 @@ import logging
 import secrets
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ from typing import Any
 from streamer.sessions.errors import Code, EngineError
 
 from .directory import Directory, Moved
-from .records import Checkpoint, Create, Record, Void
+from .records import Checkpoint, Create, Record, Void, note_event_ids
+from .recovery import applied
 from .store_base import Conflict, LogGap, NotOwner, Store, StoreError, StoreLost
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class Pipe:
     slides: int = 0  # the window's slide count last seen
     checkpoint_blob: str | None = None  # the K/V blob of the last checkpoint written here
     checkpointing: asyncio.Task | None = None
+    event_ids: OrderedDict = field(default_factory=OrderedDict)  # client event ids the log holds (note_event_ids)
 
 
 class LogWriter:
@@ -151,6 +154,7 @@ class LogWriter:
         self.mirror(pipe, n, rid, {**data, "n": n})
         self.counters["log_records"] += 1
         self.directory.logged(sid, client_seq if client_seq is not None else data.get("client_seq"))
+        note_event_ids(pipe.event_ids, data)
         if self.written is not None:
             self.written(sid, pipe, data)
 
@@ -360,7 +364,8 @@ class Checkpointer:
         tracked = self.events.directory.get(sid)
         upto = pipe.next_n
         record = Checkpoint(ts=time.time(), state=state, blob=digest,
-                            client_seq=tracked.acked_client_seq if tracked is not None else None)
+                            client_seq=tracked.acked_client_seq if tracked is not None else None,
+                            event_ids=[[k, v] for k, v in pipe.event_ids.items()] or None)
         data, rid = record.to_json(), _rid()
         try:
             await writer.write(sid, pipe, data, rid)
@@ -460,6 +465,8 @@ class EventLog:
                     pipe.checkpoint_blob, pipe.since_checkpoint = record.get("blob"), 0
                 else:
                     pipe.since_checkpoint += 1
+            for record in applied(raw or []):
+                note_event_ids(pipe.event_ids, record)
         return pipe
 
     def forget(self, session_id: str) -> None:
@@ -622,6 +629,8 @@ class EventLog:
         try:
             return await asyncio.wrap_future(fut)
         except EngineError as exc:
+            if getattr(record, "event_id", None) is not None:  # refused: a resend of its event is a new try
+                pipe.event_ids.pop(record.event_id, None)
             if exc.code in VOIDED_REFUSALS:
                 await self.writer.void_refused(sid, pipe, rid)
             raise
@@ -683,6 +692,13 @@ class EventLog:
                 failed.applied = (result,)
                 raise failed from None
             return result
+
+def logged_event_ids(events: EventLog, session_id: str) -> dict:
+    """The client event ids the session's log holds (at most MAX_LOGGED_EVENT_IDS, the newest
+    last), with what each made: streamer.records.note_event_ids."""
+    pipe = events.pipes.get(session_id)
+    return dict(pipe.event_ids) if pipe is not None else {}
+
 
 def _rid() -> str:
     return secrets.token_hex(8)

@@ -345,7 +345,7 @@ def input_append(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
     if (dup := duplicate_ack(cmd, peer, svc)) is not None:
         return dup
-    record = Append(text=cmd["text"], client_seq=cmd["client_seq"])
+    record = Append(text=cmd["text"], client_seq=cmd["client_seq"], **cmd.fields.get("logged", {}))  # realtime.py
     task = svc.events.first(sid, record, lambda: svc.engine.append(sid, cmd["text"]), cmd["client_seq"])
     return Await(task, lambda r: input_ack(cmd, peer, svc, r))
 
@@ -417,7 +417,8 @@ def query_cancel(cmd: Command, peer: Peer, svc: Services):
 def flash_register(cmd: Command, peer: Peer, svc: Services):
     sid = peer.producer_of(cmd)
     args = flash_args(cmd.fields)
-    task = svc.events.after(sid, lambda: svc.engine.register_flash(sid, **args), lambda st: FlashRegister.of(args, st))
+    task = svc.events.after(sid, lambda: svc.engine.register_flash(sid, **args),
+                            lambda st: FlashRegister.of(args, st, **cmd.fields.get("logged", {})))  # realtime.py
     return Await(task, lambda st: peer.proto.event("flash.registered", reply_to=cmd.event_id, session_id=sid,
                                                    flash=st))
 

@@ -16,7 +16,9 @@ item deletion/truncation and server VAD are refused with an `error` naming what 
 Resumption: `session.created` carries the session id and a resume token
 (`session.streamer.resume_query`); a connection to `/v1/realtime?session_id=ID&resume_token=TOKEN`
 resumes that session (re-attached, or replayed from the store after a restart). Writes carrying an
-`event_id` already applied to the session on this server are answered again, not applied twice.
+`event_id` the session already took are answered again, not applied twice: on this server from
+the layer's memory, after a restart from the session's log (its records carry the event ids:
+streamer.records.note_event_ids; the newest MAX_LOGGED_EVENT_IDS outlive checkpoints).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from weakref import WeakKeyDictionary
 from streamer.sessions.errors import Code
 
 from .connection import Connection
+from .eventlog import logged_event_ids
 from .protocol import Command, ProtocolError, ProtocolLimits, ServerProtocol
+from .records import Received
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +96,25 @@ class RealtimeSession:
     last_user_text: str | None = None
     last_audio_item: str | None = None
     audio: bytearray = field(default_factory=bytearray)
-    seen: OrderedDict = field(default_factory=OrderedDict)  # event_id -> item (dict) or None while pending
+    # event_id -> its item (dict), the _Item while pending, "standing", or what the log says (Logged)
+    seen: OrderedDict = field(default_factory=OrderedDict)
     standing: dict[str, dict] = field(default_factory=dict)  # flash_id -> {"metadata", "max_tokens"}
     image_duplicates: int = 0
 
 
 # Realtime state per server (its Services object) and session: outlives connections, not the process.
 SESSIONS: WeakKeyDictionary[Any, dict[str, RealtimeSession]] = WeakKeyDictionary()
+
+
+@dataclass(slots=True)
+class Logged:
+    """What the session's log says an event id made (a session resumed after a restart): the
+    item and how many of its text parts are in, `done` when all of it is, or a standing question."""
+
+    item_id: str | None = None
+    texts: int = 0
+    done: bool = False
+    flash_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -129,10 +145,13 @@ class RealtimeProtocol(ServerProtocol):
     """One Realtime connection's translation state (sans I/O)."""
 
     def __init__(self, limits: ProtocolLimits, sessions: dict[str, RealtimeSession], model: str,
-                 max_answer_tokens: int, count_tokens: Callable[[str], int] | None = None) -> None:
+                 max_answer_tokens: int, count_tokens: Callable[[str], int] | None = None,
+                 logged: Callable[[str], dict] | None = None) -> None:
         super().__init__(limits)
         self.sessions, self.model, self.max_answer_tokens = sessions, model, max_answer_tokens
         self.count_tokens = count_tokens
+        self.logged = logged  # session id -> the event ids its log holds (eventlog.logged_event_ids)
+        self.received: list[tuple[str, str]] = []  # (event id, item id) of media items in: to log
         self.rt: RealtimeSession | None = None
         self.fatal: tuple[str, str] | None = None  # the session could not be opened: close with this
         self.opened = False
@@ -253,7 +272,8 @@ class RealtimeProtocol(ServerProtocol):
 
     def _conversation_item_create(self, msg: dict, event_id: str | None) -> list[Command | str]:
         rt, item = self.rt, _object(msg.get("item"), "item")
-        if (dup := self._duplicate(event_id)) is not None:
+        logged = rt.seen.get(event_id) if event_id is not None else None
+        if not isinstance(logged, Logged) and (dup := self._duplicate(event_id)) is not None:
             return dup
         if item.get("type", "message") != "message":
             raise Refused(Code.INVALID_FIELD, f"items of type {str(item.get('type'))[:40]!r} are not supported "
@@ -264,7 +284,7 @@ class RealtimeProtocol(ServerProtocol):
         content = item.get("content")
         if not isinstance(content, list) or not content:
             raise Refused(Code.MISSING_FIELD, "item.content must be a non-empty list", "item.content")
-        if msg.get("previous_item_id") not in (None, rt.last_item_id):
+        if msg.get("previous_item_id") not in (None, rt.last_item_id) and not isinstance(logged, Logged):
             raise Refused(Code.INVALID_FIELD, "items are input in arrival order: previous_item_id must be the last "
                           "item or absent", "previous_item_id")
         parts = []
@@ -272,7 +292,17 @@ class RealtimeProtocol(ServerProtocol):
             if not isinstance(part, dict):
                 raise Refused(Code.INVALID_FIELD, f"item.content[{i}] must be an object", "item.content")
             parts.append(_part(part, i))
-        entry = _Item(self._item(item.get("id"), item["role"], content), event_id, len(parts))
+        if isinstance(logged, Logged) and not logged.flash_id:  # taken before a restart: what of it is in
+            texts = sum(kind == "text" for kind, _ in parts)
+            if logged.done or (texts == len(parts) and logged.texts >= texts):
+                taken = rt.seen[event_id] = self._item(logged.item_id, item["role"], content,
+                                                       logged.item_id is not None)
+                return self.out.item_events(taken, event_id)
+            skip = logged.texts  # its first text parts are in the session: the rest goes in
+            parts = [p for i, p in enumerate(parts) if p[0] != "text" or sum(k == "text" for k, _ in parts[:i]) >= skip]
+            item = {**item, "id": logged.item_id or item.get("id")}
+        again = isinstance(logged, Logged) and not logged.flash_id and logged.item_id is not None
+        entry = _Item(self._item(item.get("id"), item["role"], content, again), event_id, len(parts))
         out: list[Command | str] = []
         for kind, value in parts:
             out.append(self._input(entry, kind, value))
@@ -285,8 +315,11 @@ class RealtimeProtocol(ServerProtocol):
             rt.client_seq += 1
             if entry.item["role"] == "user":
                 rt.last_user_text = value
-            return self._native("input.text.append", entry, session_id=rt.session_id, text=value,
-                                client_seq=rt.client_seq)
+            cmd = self._native("input.text.append", entry, session_id=rt.session_id, text=value,
+                               client_seq=rt.client_seq)
+            if entry.event_id is not None:  # its record carries the event: a resend after a restart is told
+                cmd.fields["logged"] = {"event_id": entry.event_id, "item_id": entry.item["id"]}
+            return cmd
         rt.media_seq += 1
         seq = rt.media_seq
         self.media[seq] = entry
@@ -314,6 +347,11 @@ class RealtimeProtocol(ServerProtocol):
 
     def _input_audio_buffer_commit(self, msg: dict, event_id: str | None) -> list[Command | str]:
         rt = self.rt
+        logged = rt.seen.get(event_id) if event_id is not None else None
+        if isinstance(logged, Logged) and logged.done:  # committed before a restart
+            taken = rt.seen[event_id] = self._item(logged.item_id, "user", [{"type": "input_audio"}],
+                                                   logged.item_id is not None)
+            return self.out.item_events(taken, event_id)
         if (dup := self._duplicate(event_id)) is not None:
             return dup
         if len(rt.audio) < 2:
@@ -365,8 +403,11 @@ class RealtimeProtocol(ServerProtocol):
             self._remember(event_id, "standing")
             flash_id = _flash_id(metadata, next(self._ids))
             rt.standing[flash_id] = {"metadata": metadata, "max_tokens": max_tokens}
-            return [self._native("flash.register", ("standing", flash_id, event_id), session_id=rt.session_id,
-                                 question=question, flash_id=flash_id, max_tokens=max_tokens)]
+            cmd = self._native("flash.register", ("standing", flash_id, event_id), session_id=rt.session_id,
+                               question=question, flash_id=flash_id, max_tokens=max_tokens)
+            if event_id is not None:
+                cmd.fields["logged"] = {"event_id": event_id}
+            return [cmd]
         rt.responses += 1
         resp = _Response(f"resp_{rt.session_id}_{rt.responses}", f"item_{rt.session_id}_r{rt.responses}", metadata,
                          None if conversation == "none" else f"conv_{rt.session_id}", max_tokens, event_id)
@@ -415,6 +456,8 @@ class RealtimeProtocol(ServerProtocol):
         if event_id is None or event_id not in self.rt.seen:
             return None
         item = self.rt.seen[event_id]
+        if isinstance(item, Logged):  # from the log (a restart): a standing question is taken
+            return [] if item.flash_id is not None else None
         if isinstance(item, _Item):  # still on its way: echoed when it is in
             item.echoes += 1
             return []
@@ -428,9 +471,10 @@ class RealtimeProtocol(ServerProtocol):
         while len(seen) > MAX_SEEN_EVENT_IDS:
             seen.popitem(last=False)
 
-    def _item(self, item_id: Any, role: str, content: list) -> dict:
+    def _item(self, item_id: Any, role: str, content: list, logged: bool = False) -> dict:
+        """An item as answered; `logged`: one the log knows (a resend after a restart), not a new one."""
         rt = self.rt
-        rt.items += 1
+        rt.items += not logged
         kept = [{k: v for k, v in p.items() if k not in ("audio", "image_url")} for p in content]
         return {"id": item_id if isinstance(item_id, str) and item_id else f"item_{rt.session_id}_{rt.items}",
                 "object": "realtime.item", "type": "message", "role": role, "status": "completed", "content": kept}
@@ -484,6 +528,8 @@ class RealtimeEvents:
 
     def _on_session_resumed(self, ctx: Any, ev: dict) -> list[str]:
         sid, state = ev["session_id"], ev["session"]
+        if sid not in self.p.sessions and self.p.logged is not None:  # new to this server: the log's event ids
+            self.p.sessions[sid] = _remembered(sid, self.p.logged(sid))
         rt = self.p.rt = self.p.sessions.setdefault(sid, RealtimeSession(sid))
         rt.client_seq = max(rt.client_seq, ev.get("last_client_seq") or 0)
         rt.window_max = (state.get("window") or {}).get("max_tokens")
@@ -540,6 +586,8 @@ class RealtimeEvents:
         previous, rt.last_item_id = rt.last_item_id, ctx.item["id"]
         if ctx.event_id is not None and ctx.event_id in rt.seen:
             rt.seen[ctx.event_id] = ctx.item
+            if any(p.get("type") != "input_text" and p.get("type") != "text" for p in ctx.item["content"]):
+                self.p.received.append((ctx.event_id, ctx.item["id"]))  # the media path logs no event id
         out = self.item_events(ctx.item, None, previous)
         for _ in range(ctx.echoes):
             out += self.item_events(ctx.item, None, previous)
@@ -686,7 +734,8 @@ class RealtimeConnection(Connection):
         count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
         self.proto = self.peer.proto = RealtimeProtocol(
             self.config.protocol, SESSIONS.setdefault(self.svc, {}), engine.runner.name,
-            getattr(getattr(engine, "limits", None), "max_answer_tokens", 1024), count)
+            getattr(getattr(engine, "limits", None), "max_answer_tokens", 1024), count,
+            lambda sid: logged_event_ids(self.svc.events, sid))
         self.outbox.proto = _WireErrors(self.proto)
         self.peer.send = self.send
         self.opened: asyncio.Future[bool] = self.loop.create_future()
@@ -695,6 +744,10 @@ class RealtimeConnection(Connection):
         proto: RealtimeProtocol = self.proto
         for out in proto.out.translate(text):
             self.outbox.send(out)
+        while proto.received and proto.rt is not None:  # an image or audio item is in: its event id is logged
+            event_id, item_id = proto.received.pop(0)
+            record = Received(event_id=event_id, item_id=item_id)
+            self.svc.events.first(proto.rt.session_id, record, lambda r=record: r.apply(None, ""))
         if proto.fatal is not None and self.outbox.dropping is None:
             self.outbox.drop(proto.fatal[0], proto.fatal[1], close_code=1008)
         if (proto.opened or proto.fatal is not None) and not self.opened.done():
@@ -723,6 +776,18 @@ class RealtimeConnection(Connection):
                                            "this server"))
             else:
                 super().dispatch(action)
+
+
+def _remembered(sid: str, logged: dict) -> RealtimeSession:
+    """A session's Realtime state after a restart: the event ids its log holds (and the item
+    numbers they used, so new items do not take them again)."""
+    rt = RealtimeSession(sid)
+    for event_id, entry in logged.items():
+        rt.seen[event_id] = Logged(**{k: v for k, v in entry.items() if k in Logged.__slots__})
+        number = str(entry.get("item_id") or "").removeprefix(f"item_{sid}_")
+        if number.isdigit():
+            rt.items = max(rt.items, int(number))
+    return rt
 
 
 def _object(value: Any, name: str) -> dict:

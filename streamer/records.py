@@ -9,6 +9,7 @@ that does not replay exactly is refused instead of silently diverging.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields
@@ -18,6 +19,7 @@ from streamer.sessions.errors import Code, EngineError
 from streamer.sessions.sampling import PENALTY_KEYS
 
 FLASH_KEYS = ("question", "flash_id", "max_tokens", "priority", "min_interval_s", "confirm", *PENALTY_KEYS)
+MAX_LOGGED_EVENT_IDS = 1024  # per session: the client event ids a log (its checkpoint) remembers
 
 
 class ReplayError(EngineError):
@@ -82,6 +84,8 @@ class Append(Record):
     client_seq: int | None = None
     source: str | None = None  # "media": an observation or transcript made on the server
     evicted: list[int] | None = None  # inputs the window evicted since the previous input (replay evicts them first)
+    event_id: str | None = None  # the client event it came from (a Realtime item's), so a resend is told
+    item_id: str | None = None  # ... and the Realtime item it is a part of
 
     def apply(self, engine, session_id: str, then_=None) -> Future:
         return engine.append(session_id, self.text, evict_first=self.evicted, then=then_)
@@ -170,11 +174,13 @@ class FlashRegister(Record):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     end_bias: float | None = None
+    event_id: str | None = None  # the client event it came from (a Realtime standing question's)
 
     @classmethod
-    def of(cls, args: dict, state: dict) -> "FlashRegister":
+    def of(cls, args: dict, state: dict, event_id: str | None = None) -> "FlashRegister":
         """A registration as logged: its arguments with the id the engine gave it."""
-        return cls(**{k: v for k, v in args.items() if k in FLASH_KEYS and k != "flash_id"}, flash_id=state["flash_id"])
+        return cls(**{k: v for k, v in args.items() if k in FLASH_KEYS and k != "flash_id"}, flash_id=state["flash_id"],
+                   event_id=event_id)
 
     def arguments(self) -> dict:
         return {k: getattr(self, k) for k in FLASH_KEYS if getattr(self, k) is not None}
@@ -228,12 +234,14 @@ class Checkpoint(Record):
     questions and their answers) and `blob`, the content address of its K/V (every layer),
     thinking cache and last logits. Replay starts from the last one (streamer.recovery), and
     the log before it is compacted away (Store.compact). `client_seq`: the highest client seq
-    the log held then (dedup of resends)."""
+    the log held then (dedup of resends); `event_ids`: the client event ids the log held then
+    ([event id, what it made] pairs, the newest MAX_LOGGED_EVENT_IDS: `note_event_ids`)."""
 
     kind: ClassVar[str] = "checkpoint"
     state: dict
     blob: str
     client_seq: int | None = None
+    event_ids: list | None = None
     tensors: Any = None  # not logged: the blob's tensors, set by `load_blobs`
     not_logged: ClassVar[tuple[str, ...]] = ("tensors",)
 
@@ -266,8 +274,21 @@ class Void(Record):
         return done
 
 
+@dataclass(slots=True, kw_only=True)
+class Received(Record):
+    """A client event whose item is in the session now, when the records that put it there do
+    not carry its id (an image or audio item of the Realtime door: the media path logs what it
+    read). Logged after the item is in; replays as nothing."""
+
+    kind: ClassVar[str] = "received"
+    event_id: str
+    item_id: str | None = None
+
+    apply = Void.apply
+
+
 KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (Create, Append, Revise, Frame, End, FlashRegister,
-                                                            FlashUnregister, Update, Close, Checkpoint, Void)}
+                                                            FlashUnregister, Update, Close, Checkpoint, Void, Received)}
 
 
 def then(first: Future, make_second, done: Callable[[Future], None] | None = None) -> Future:
@@ -300,3 +321,29 @@ def client_seq_of(records: list[Record]) -> int:
     """The highest client seq the log holds (0: none), a checkpoint's included: the client
     resends what is above it."""
     return max((getattr(r, "client_seq", None) or 0 for r in records), default=0)
+
+
+def note_event_ids(seen: OrderedDict, data: dict) -> None:
+    """Update `seen` (event id -> what its event made, oldest first, at most MAX_LOGGED_EVENT_IDS)
+    with one logged record (its JSON): `item_id` and `texts` (how many of the item's text parts
+    are in) from appends carrying an event id, `done` from a `received` record, `flash_id` from a
+    registration, and a checkpoint's whole set."""
+    kind = data.get("kind")
+    if kind == "checkpoint":
+        for event_id, entry in data.get("event_ids") or ():
+            seen.pop(event_id, None)
+            seen[event_id] = dict(entry)
+    elif isinstance(data.get("event_id"), str):
+        event_id = data["event_id"]
+        entry = seen.pop(event_id, None) or {}
+        if kind == "flash.register":
+            entry = {"flash_id": data.get("flash_id")}
+        elif kind == "received":
+            entry = {"item_id": data.get("item_id"), "texts": entry.get("texts", 0), "done": True}
+        elif entry.get("item_id") != data.get("item_id"):  # a new item under the id (an earlier one failed)
+            entry = {"item_id": data.get("item_id"), "texts": 1}
+        else:
+            entry["texts"] = entry.get("texts", 0) + 1
+        seen[event_id] = entry
+    while len(seen) > MAX_LOGGED_EVENT_IDS:
+        seen.popitem(last=False)

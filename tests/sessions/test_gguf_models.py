@@ -46,7 +46,7 @@ TYPES = {"Q4_0": ("int4", "Q4_0->Q4_1", 0.15), "Q4_1": ("int4", None, 0.15), "Q8
          # the mixes users mostly download: layer 1's attn_v and ffn_down are Q6_K (gguf_write.more_bits);
          # its q|k|v matrix is then 8-bit, so Q4_K_M's q and k there are Q8_0 of their weights
          # (measured: 0.065 Q4_K_M, 0.082 Q5_K_M)
-         "Q4_K_M": ("int4", {"Q4_K->Q4_1": 12, "Q6_K->Q8_0": 2}, 0.15),
+         "Q4_K_M": ("int4", {"Q4_K->Q4_1": 10, "Q4_K->Q8_0": 2, "Q6_K->Q8_0": 2}, 0.15),
          "Q5_K_M": ("int8", {"Q5_K->Q8_0": 12, "Q6_K->Q8_0": 2}, 0.12)}
 # the reference (the file dequantized) against the float model it was written from: max |error| / std
 FILE_ERROR = {"Q4_0": 1.5, "Q4_1": 1.5, "Q8_0": 0.1, "Q4_K": 1.5, "Q5_K": 0.6, "Q6_K": 0.3, "F16": 0.01,
@@ -220,6 +220,25 @@ def test_the_pack_cache_keeps_the_repacking_report(files, source, cache, caplog)
     said = [r.getMessage() for r in caplog.records if "repacked at load" in r.getMessage()]
     assert len(said) == 2, caplog.text
     assert all("14 Q6_K->Q8_0" in line and f"{a.repack['rel_rms_error']:.2g}" in line for line in said), said
+
+
+def test_the_repacking_report_says_what_the_fused_matrices_hold(files, cache, caplog):
+    """In a Q4_K_M layer whose attn_v is Q6_K the fused q|k|v matrix is Q8_0: its Q4_K q and k
+    are Q8_0 of their weights, and the report (/healthz and the log line) says so, with their
+    requantization in its error; int8 on the same file makes every Q4_K tensor Q8_0."""
+    loaded = load_model(str(files["Q4_K_M"]))
+    model = copy.deepcopy(loaded.model)
+    with caplog.at_level("INFO", logger="streamer.sessions"):
+        info = apply_weights(model, "int4", "cpu", loaded.gguf)
+    assert [layer.self_attn.native_qkv.bits for layer in model.model.layers] == [4, 8]
+    assert info.repack["tensors"] == {"Q4_K->Q4_1": 10, "Q4_K->Q8_0": 2, "Q6_K->Q8_0": 2}
+    said = [r.getMessage() for r in caplog.records if "repacked at load" in r.getMessage()]
+    assert said and all("10 Q4_K->Q4_1" in line and "2 Q4_K->Q8_0" in line for line in said), said
+    blocks, raw = gguf_blocks(loaded.model, files["Q4_K_M"])
+    assert raw.tensors == {"Q4_K->Q4_1": 12, "Q6_K->Q8_0": 2}  # the blocks as read, before fusing
+    assert 0 < info.repack["rel_rms_error"] < 0.01  # Q6_K's and now Q4_K's requantization to Q8_0
+    eight = apply_weights(copy.deepcopy(loaded.model), "int8", "cpu", loaded.gguf)
+    assert eight.repack["tensors"] == {"Q4_K->Q8_0": 12, "Q6_K->Q8_0": 2}
 
 
 def test_int4_on_a_q8_0_file_and_int8_on_a_q4_file(files, cache):

@@ -233,11 +233,21 @@ def test_an_image_item_goes_into_a_tiny_vl_session():
         async with client(server.port).realtime.connect(model="streamer") as conn:
             events = Events(conn)
             sid = (await events.next("session.created")).session.model_extra["id"]
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_image", "image_url": f"data:image/png;base64,{png}"}]})
+            image = {"type": "message", "role": "user", "content": [
+                {"type": "input_image", "image_url": f"data:image/png;base64,{png}"}]}
+            await conn.conversation.item.create(item=image, event_id="img")
             done = await events.next("conversation.item.done")
             assert done.item.content[0].type == "input_image" and done.item.status == "completed"
             assert state(server, sid)["frames"] == 1  # in the session's cache when the item is done
+            for _ in range(200):  # its event id is logged once it is in (the media path logs the frame)
+                received = [r for r in await server.store.read_log(sid) if r["kind"] == "received"]
+                if received:
+                    break
+                await asyncio.sleep(0.05)
+            assert [(r["event_id"], r["item_id"]) for r in received] == [("img", done.item.id)]
+            await conn.conversation.item.create(item=image, event_id="img")  # a resend: the same item, no frame
+            assert (await events.next("conversation.item.done")).item.id == done.item.id
+            assert state(server, sid)["frames"] == 1
             await conn.response.create(response={"instructions": "What is it?", "max_output_tokens": 3})
             _, _, finished = await events.response()
             assert finished.response.usage.input_token_details.cached_tokens > 16
@@ -329,3 +339,124 @@ def test_a_reconnect_after_a_restart_resumes_the_session_with_nothing_lost(tiny_
             await first.stop()
 
     asyncio.run(main())
+
+
+def test_a_resend_after_a_restart_is_told_from_the_log_and_its_checkpoint(tiny_engine, tmp_path):
+    """The event ids are logged with the items they made (and a checkpoint keeps the newest), so
+    after the server restarts an item sent again with the same event_id is answered with the item
+    it made and not applied twice, even when its record was compacted into a checkpoint; a
+    two-part item too; a new item takes a new id."""
+    store = str(tmp_path / "store")
+    config = dict(store_url=store, checkpoint_records=3, checkpoint_min_records=1)
+
+    async def main():
+        first = await StreamerServer(tiny_engine, ServerConfig(port=0, **config)).start()
+        port, resume, second = first.port, {}, None
+        reconnecting = asyncio.Event()
+
+        def on_reconnecting(event):
+            reconnecting.set()
+            return {"extra_query": {**event.extra_query, **resume}}
+
+        pair = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": LINES[4]},
+                                                               {"type": "input_text", "text": LINES[5]}]}
+        try:
+            async with client(port).realtime.connect(model="streamer", on_reconnecting=on_reconnecting) as conn:
+                events = Events(conn)
+                created = await events.next("session.created")
+                sid = created.session.model_extra["id"]
+                resume.update(created.session.model_extra["streamer"]["resume_query"])
+                ids = {eid: (await text_item(conn, events, LINES[i], eid)).item.id for i, eid in enumerate("abcd")}
+                await conn.conversation.item.create(item=pair, event_id="pair")
+                ids["pair"] = (await events.next("conversation.item.done")).item.id
+                # a standing question whose metadata is too long for its flash id (a new id each time)
+                standing = {"conversation": "none", "metadata": {"topic": "where the ship is " * 5},
+                            "instructions": "Where is the ship?", "max_output_tokens": 4}
+                await conn.response.create(response=standing, event_id="sq")
+                await events.response(lambda e: e.response.metadata == standing["metadata"])
+                assert len(state(first, sid)["flash"]) == 1
+                for _ in range(600):  # a checkpoint compacts the log (taken in the background)
+                    if first.events.counters["checkpoints"] >= 1 and first.events.counters["log_compacted"] >= 1:
+                        break
+                    await asyncio.sleep(0.05)
+                inputs = state(first, sid)["inputs"]
+                assert inputs == 6
+                await first.shutdown(grace_s=1.0)
+                await asyncio.wait_for(reconnecting.wait(), 30)
+                second = await StreamerServer(tiny_engine, ServerConfig(port=port, **config)).start()
+                again = await events.next("session.created")
+                assert again.session.model_extra["streamer"]["resumed"] is True
+                raw = await second.store.read_log(sid)
+                assert not any(r.get("event_id") == "a" for r in raw)  # its append was compacted away...
+                assert any("a" in dict(r.get("event_ids") or ()) for r in raw if r["kind"] == "checkpoint")  # ...kept
+                for eid, line in (("a", LINES[0]), ("d", LINES[3])):
+                    done = await text_item(conn, events, line, eid)
+                    assert done.item.id == ids[eid] and done.item.content[0].text == line
+                await conn.conversation.item.create(item=pair, event_id="pair")
+                done = await events.next("conversation.item.done")
+                assert done.item.id == ids["pair"] and len(done.item.content) == 2
+                await conn.response.create(response=standing, event_id="sq")
+                assert state(second, sid)["inputs"] == inputs  # nothing applied twice
+                fresh = await text_item(conn, events, "Day seven: home.", "e")  # after the standing question's resend
+                assert fresh.item.id not in ids.values()
+                st = state(second, sid)
+                assert st["inputs"] == inputs + 1 and len(st["flash"]) == 1  # the standing question is not taken twice
+                assert not [e for e in events.seen if e.type == "error"]
+        finally:
+            if second is not None:
+                await second.stop()
+            await first.stop()
+
+    asyncio.run(main())
+
+
+def test_the_event_ids_a_log_holds_are_bounded_and_kept_by_a_checkpoint():
+    from collections import OrderedDict
+
+    from streamer.records import MAX_LOGGED_EVENT_IDS, note_event_ids
+
+    seen: OrderedDict = OrderedDict()
+    for record in ({"kind": "append", "text": "x", "event_id": "e1", "item_id": "i1"},
+                   {"kind": "append", "text": "y", "event_id": "e1", "item_id": "i1"},  # its second part
+                   {"kind": "received", "event_id": "img", "item_id": "i2"},
+                   {"kind": "flash.register", "question": "q", "flash_id": "f", "event_id": "s"},
+                   {"kind": "append", "text": "z", "client_seq": 3},  # a native input: no event id
+                   {"kind": "append", "text": "w", "event_id": "again", "item_id": "i3"},
+                   {"kind": "append", "text": "w", "event_id": "again", "item_id": "i4"}):  # a new item, same id
+        note_event_ids(seen, record)
+    assert seen == {"e1": {"item_id": "i1", "texts": 2}, "img": {"item_id": "i2", "texts": 0, "done": True},
+                    "s": {"flash_id": "f"}, "again": {"item_id": "i4", "texts": 1}}
+    restored: OrderedDict = OrderedDict()
+    note_event_ids(restored, {"kind": "checkpoint", "state": {}, "blob": "b",
+                              "event_ids": [[k, v] for k, v in seen.items()]})
+    assert list(restored.items()) == list(seen.items())
+    for i in range(MAX_LOGGED_EVENT_IDS):
+        note_event_ids(restored, {"kind": "append", "text": "t", "event_id": f"n{i}", "item_id": f"x{i}"})
+    assert len(restored) == MAX_LOGGED_EVENT_IDS and "e1" not in restored and f"n{MAX_LOGGED_EVENT_IDS - 1}" in restored
+
+
+def test_a_resend_told_from_the_log_adds_only_what_is_not_in():
+    """After a restart (the layer's state from the log's event ids, sans I/O): an item whose text
+    parts are all in is answered with its item; one whose first part only was logged sends the
+    rest under the same item; a new item takes a number the logged ones did not use."""
+    import json
+
+    from streamer.protocol import Command, ProtocolLimits
+    from streamer.realtime import RealtimeProtocol, _remembered
+
+    proto = RealtimeProtocol(ProtocolLimits(), {}, "tiny", 128)
+    proto.rt = _remembered("s1", {"whole": {"item_id": "item_s1_3", "texts": 1},
+                                  "half": {"item_id": "item_s1_4", "texts": 1}})
+
+    def send(event_id: str, *texts: str) -> list:
+        return proto.receive_realtime(json.dumps({"type": "conversation.item.create", "event_id": event_id, "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": t} for t in texts]}}))
+
+    whole = send("whole", LINES[0])
+    assert not [a for a in whole if isinstance(a, Command)]
+    assert [json.loads(a)["item"]["id"] for a in whole] == ["item_s1_3", "item_s1_3"]  # added, done
+    half = [a for a in send("half", LINES[1], LINES[2]) if isinstance(a, Command)]
+    assert [(c.type, c["text"], c.fields["logged"]) for c in half] == [
+        ("input.text.append", LINES[2], {"event_id": "half", "item_id": "item_s1_4"})]
+    fresh = [a for a in send("new", LINES[3]) if isinstance(a, Command)]
+    assert fresh[0].fields["logged"] == {"event_id": "new", "item_id": "item_s1_5"}
