@@ -103,10 +103,6 @@ class Repack:
         return {"tensors": dict(self.tensors), "seconds": round(self.seconds, 3),
                 "rel_rms_error": float(f"{self.rel_rms_error:.3g}")}
 
-    def describe(self) -> str:
-        kinds = ", ".join(f"{n} {k}" for k, n in self.tensors.items()) or "none"
-        return f"repacked at load in {self.seconds:.2f} s ({kinds}; relative RMS error {self.rel_rms_error:.2g})"
-
 
 def is_gguf_path(spec: str) -> bool:
     return spec.lower().endswith(".gguf")
