@@ -22,13 +22,15 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
 from .errors import Code, EngineError, InvalidRequest, SessionNotFound
-from .flash import normalize
-from .session import json_object
+from .session import Session, json_object, normalize
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +362,7 @@ def fire_rules(session, flash_id: str, answer) -> None:
 # ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
 
 
-def add_rule(core, session_id: str, flash_id: str, pattern: str, command: dict, debounce_s: float = 0.0,
+def add_rule(core: EngineCore, session_id: str, flash_id: str, pattern: str, command: dict, debounce_s: float = 0.0,
              rule_id: str | None = None) -> dict:
     """When flash question `flash_id`'s answer changes to match `pattern`, the session's
     listeners get an `action.command` event with `command`, once per change."""
@@ -382,14 +384,14 @@ def add_rule(core, session_id: str, flash_id: str, pattern: str, command: dict, 
     return {"rule_id": rid, "flash_id": flash_id, "pattern": pattern, "matched": rule.matched}
 
 
-def remove_rule(core, session_id: str, rule_id: str) -> dict:
+def remove_rule(core: EngineCore, session_id: str, rule_id: str) -> dict:
     session = core.live(session_id)
     if session.rules.pop(rule_id, None) is None:
         raise EngineError(f"no rule {rule_id!r} on session {session_id}", code=Code.RULE_NOT_FOUND)
     return {"rule_id": rule_id}
 
 
-def start_actions(core, session_id: str, policy: str = "tracker", mode: str = "async_rollforward",
+def start_actions(core: EngineCore, session_id: str, policy: str = "tracker", mode: str = "async_rollforward",
                   dt: float = 0.05, **options) -> dict:
     """Run an action policy for the session in its own thread; chunks go to the session's
     listeners as `action.chunk`. JSON inputs are its observations; robot state comes through
@@ -418,7 +420,14 @@ def start_actions(core, session_id: str, policy: str = "tracker", mode: str = "a
     return session.state()["actions"]
 
 
-def stop_actions(core, session_id: str) -> dict:
+def halt(session: Session) -> None:
+    """The session closed: its policy stops (without waiting for a slow one)."""
+    if session.actions is not None:
+        session.actions.stop(wait=False)
+        session.actions = None
+
+
+def stop_actions(core: EngineCore, session_id: str) -> dict:
     session = core.live(session_id)
     if session.actions is None:
         raise InvalidRequest(f"session {session_id} runs no action policy")

@@ -11,12 +11,17 @@ input queue to drain.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import flash, thinking
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 KINDS = ("flash", "think")
 
 
-def start(core) -> None:
+def start(core: EngineCore) -> None:
     """Queue the idle-time work that is due, one job per session at most."""
     limits = core.limits
     for session in core.sessions.values():
@@ -34,7 +39,7 @@ def start(core) -> None:
             break
 
 
-def _next(core, session, kind: str):
+def _next(core: EngineCore, session, kind: str):
     if kind == "flash":
         if core.lanes.running(session.id, "flash"):
             return None

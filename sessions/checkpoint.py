@@ -20,11 +20,17 @@ import hashlib
 import json
 import struct
 from dataclasses import asdict, fields
+from typing import TYPE_CHECKING
 
 import torch
 
+from . import flash, thinking, window
 from .errors import Code, EngineError
-from .session import Chunk, Session
+from .kvcache import own_slots
+from .session import Chunk, Session, restore_log
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 FORMAT = 1
 _HEADER = struct.Struct("<I")
@@ -38,7 +44,7 @@ class CheckpointError(EngineError):
 # ---- capture ------------------------------------------------------------------------------------
 
 
-def capture(core, session_id: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+def capture(core: EngineCore, session_id: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """The session's state and tensors, or None while its FIFO still holds work."""
     session: Session = core.live(session_id)
     if core.lanes.fifo.get(session_id) or session.pending_tokens or core.lanes.side.get(session_id, {}).get("think"):
@@ -116,11 +122,9 @@ def _thinking(session: Session, tensors: dict) -> dict | None:
 # ---- restore ------------------------------------------------------------------------------------
 
 
-def restore(core, session_id: str, state: dict, tensors: dict[str, torch.Tensor]) -> dict:
+def restore(core: EngineCore, session_id: str, state: dict, tensors: dict[str, torch.Tensor]) -> dict:
     """Put a captured state into `session_id`, a session just created (its framing read) from
     the same `create` record; returns its state."""
-    from . import flash, thinking, window
-
     session: Session = core.live(session_id)
     if state.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint format {state.get('format')!r} is not {FORMAT}")
@@ -128,20 +132,11 @@ def restore(core, session_id: str, state: dict, tensors: dict[str, torch.Tensor]
         raise CheckpointError(f"session {session_id}: the checkpoint's framing does not match this worker's "
                               "(another model or tokenizer?)")
     _restore_kv(session.cache, state["length"], tensors["kv"])
-    session.chunks = [Chunk(**c) for c in state["chunks"]]
-    for name in ("data_version", "next_seq", "position_offset", "frames", "media_s", "ended", "crop_epoch",
-                 "next_flash_id"):
-        setattr(session, name, state[name])
-    session.segments = dict(state["segments"])
-    if session.chunks:
-        session.last_input_at = session.chunks[-1].ts
     logits = tensors.get("logits")
-    session.last_logits = logits.to(session.runner.device) if logits is not None else None
-    session.window = window.TextWindow(**state["window"]) if state["window"] is not None else None
-    session.flash = {}
-    for item in state["flash"]:
-        session.flash[item["args"]["flash_id"]] = _restore_flash(core, session, item, flash)
-    _restore_thinking(session, state["thinking"], tensors.get("think"), thinking)
+    restore_log(session, state, logits.to(session.runner.device) if logits is not None else None)
+    window.restore(session, state["window"])  # each feature puts back its own state
+    flash.restore(core, session, state["flash"], state["next_flash_id"])
+    thinking.restore(session, state["thinking"], tensors.get("think"))
     return session.state()
 
 
@@ -152,48 +147,12 @@ def _restore_kv(cache, length: int, kv: torch.Tensor) -> None:
     cache.crop(cache.prefix_len)
     cache.reserve(length)
     if n:
-        own = own_kv_slots(cache)
+        own = own_slots(cache)
         if own.shape[:3] != kv.shape[:3] or own.shape[4] != kv.shape[4]:
             raise CheckpointError(f"checkpoint K/V of shape {tuple(kv.shape)} does not fit this model's cache "
                                   f"{tuple(own.shape)}")
         own[:, :, :, :n] = kv.to(device=own.device, dtype=own.dtype)
     cache.commit(length)
-
-
-def own_kv_slots(cache) -> torch.Tensor:
-    if getattr(cache, "pool", None) is not None:
-        return cache.pool.storage[:, :, :, cache.pool.slots(cache.extent)]
-    return cache._buf
-
-
-def _restore_flash(core, session: Session, item: dict, flash):
-    args = {k: v for k, v in item["args"].items() if v is not None}
-    q = flash.new_question(core, session, **args)
-    if item["answer"] is not None:
-        q.answer = flash.FlashAnswer(**item["answer"])
-    q.candidate, q.candidate_count = item["candidate"], item["candidate_count"]
-    q.evaluated_version, q.evaluations, q.stale = item["evaluated_version"], item["evaluations"], item["stale"]
-    return q
-
-
-def _restore_thinking(session: Session, data: dict | None, think: torch.Tensor | None, thinking) -> None:
-    if data is None:
-        session.thinking = None
-        return
-    config = thinking.ThinkingConfig(**data["config"])
-    state = session.thinking = thinking.ThinkingState(config)
-    if config.mode == "dual":
-        state.cache = session.runner.new_cache(config.max_tokens + 64)
-        if think is not None and think.shape[3]:
-            state.cache.reserve(think.shape[3])
-            own_kv_slots(state.cache)[:, :, :, :think.shape[3]] = think.to(state.cache.shape.device)
-            state.cache.commit(think.shape[3])
-    for u in data["units"]:
-        state.units.append(thinking.Unit(**{**u, "seqs": tuple(u["seqs"]), "positions": tuple(u["positions"])}))
-    for name in ("written", "last_position", "seen_tokens", "seen_seq", "final_requested", "final_done",
-                 "dropped_units", "repeated_units"):
-        setattr(state, name, data[name])
-    state.notes.update((k, v) for k, v in data["notes"])
 
 
 # ---- the blob -----------------------------------------------------------------------------------

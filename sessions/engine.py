@@ -284,6 +284,7 @@ class EngineCore:
                 self.memory.resident(job.session)
                 if entry.after is not None:
                     job.begin(after=entry.after)
+                window.make_room(job.session, job.room())  # the one place a job's room is made
                 steps = job.plan(entry.tokens)
                 for step in steps:
                     self.memory.reserve(step, job.session)
@@ -352,7 +353,7 @@ class EngineCore:
         """Resolves to the new session's state once its system prompt is in the cache. `flash`
         lists questions to register (keyword arguments of `flash.register`); if one is refused,
         no session is created. `window`: "default" (the documented bound, `window.default_size`),
-        the window's settings (`window.configure` keywords), or None for an unbounded session.
+        the window's settings (`jobs.configure_window` keywords), or None for an unbounded session.
         `owner`: whose session it is for the scheduler's fair share (the API key, else the
         client); by default the session is its own owner."""
         if len(self.sessions) >= self.limits.max_sessions:
@@ -418,12 +419,10 @@ class EngineCore:
             if job.future is not None:
                 settle(job.future, exc=jobs.closed_error(session_id))
         del self.sessions[session_id]
-        if session.actions is not None:
-            session.actions.stop(wait=False)
-            session.actions = None
+        actions.halt(session)
         session.cache.release()
         if session.thinking is not None:
-            session.thinking.cache = None
+            session.thinking.release()
         self.memory.retry_admissions()
         return session.state()
 
@@ -528,7 +527,7 @@ class Engine:
     append_frame = _command(jobs.append_frame)
     end_input = _command(jobs.end_input)
     transcribe = _command(jobs.transcribe)
-    configure_window = _command(window.configure)
+    configure_window = _command(jobs.configure_window)
     ensure_window = _command(window.ensure)
     configure_thinking = _command(thinking.configure_command)
     end_queries = _command(end_queries, keyed=False)

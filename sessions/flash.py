@@ -22,27 +22,26 @@ the model's window; `failed`: the evaluation raised). The next evaluation clears
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from .actions import fire_rules
 from .errors import Code, EngineError, InvalidRequest
+from .forks import fork_view
 from .jobs import Job, Lanes, Priority
 from .kvcache import KVCache
 from .runner import SeqStep
 from .sampling import Penalties
-from .session import Session
+from .session import Session, normalize
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 log = logging.getLogger(__name__)
-
-
-def normalize(text: str) -> str:
-    """What counts as the same answer: case, surrounding punctuation and spacing ignored."""
-    return re.sub(r"\s+", " ", text).strip().strip(".!?,;:").strip().lower()
 
 
 @dataclass(slots=True)
@@ -150,16 +149,10 @@ class FlashJob(Job):
     def __init__(self, session: Session, questions: list[FlashQuestion], stop_ids: frozenset[int]) -> None:
         super().__init__(session)
         self.stop_ids = stop_ids
-        self.base = session.cache.length
-        self.prefixes: tuple = ((session.cache, self.base),)
-        # positions continue after the reading cache (on a VL model its next position, which may
-        # be below its length: sessions/multimodal.py)
-        self.pos0: int | None = session.next_position if session.position_offset else None
-        thinking = session.thinking
-        if thinking is not None and thinking.cache is not None and thinking.cache.length:
-            # as QueryJob: with dual thinking a question sees the reading cache and the notes
-            self.prefixes += ((thinking.cache, thinking.cache.length),)
-            self.pos0 = max(session.next_position, thinking.last_position + 1)
+        view = fork_view(session)  # the reading cache (and dual notes), positions after them
+        self.base = view.base
+        self.prefixes: tuple = view.prefixes
+        self.pos0: int | None = view.position if view.notes or session.position_offset else None
         self.version = session.data_version
         self.media_s = session.media_s
         self.data_at = session.last_input_at or time.time()  # when the data it reads was accepted
@@ -245,11 +238,9 @@ class FlashJob(Job):
                 f.done = True
                 f.finish_reason = "length" if limit == f.q.max_tokens else "context_window"
 
-    def finish(self, core, exc: BaseException | None = None) -> None:
+    def finish(self, core: EngineCore, exc: BaseException | None = None) -> None:
         """Each answer passes its question's hysteresis; changed answers go to the session's
         listeners as `flash.updated` (and fire the rules on them)."""
-        from .actions import fire_rules
-
         session = self.session
         if exc is not None:
             log.error("flash evaluation on session %s failed: %s", session.id, exc)
@@ -390,35 +381,10 @@ def next_due_s(session: Session) -> float | None:
     return soonest
 
 
-def cached_answer(session: Session, question: str, params, query_id: str | None):
-    """A query that asks a registered question whose answer is current needs no model: its
-    QueryResult, or None."""
-    from .query import QueryResult
-
-    if params.temperature != 0 or params.stop or session.pending_tokens:
-        return None
-    penalties = params.penalties
-    key = normalize(question)
-    for q in session.flash.values():
-        a = q.answer
-        if normalize(q.question) != key or a is None or a.data_version != session.data_version:
-            continue
-        if q.penalties != penalties:
-            return None  # decoded with other penalties: a different answer
-        complete = params.max_tokens == q.max_tokens or (a.finish_reason == "stop" and len(a.tokens) < params.max_tokens)
-        if not complete:
-            return None
-        session.queries_answered += 1
-        return QueryResult(session.id, query_id or secrets.token_hex(6), a.text, list(a.tokens), a.finish_reason,
-                           a.data_version, session.cache.length, len(q.question_ids), 0.0, 0.0, 0.0, 0.0,
-                           cached=True)
-    return None
-
-
 # ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
 
 
-def register(core, session_id: str, question: str, flash_id: str | None = None, max_tokens: int = 32,
+def register(core: EngineCore, session_id: str, question: str, flash_id: str | None = None, max_tokens: int = 32,
              priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1, **penalties: float) -> dict:
     """Register a flash question; returns its state. It is evaluated in idle time after every
     data update, and `flash.updated` goes to the session's listeners on a change. `penalties`:
@@ -429,7 +395,7 @@ def register(core, session_id: str, question: str, flash_id: str | None = None, 
     return q.state(session.data_version)
 
 
-def new_question(core, session: Session, question: str, flash_id: str | None = None, max_tokens: int = 32,
+def new_question(core: EngineCore, session: Session, question: str, flash_id: str | None = None, max_tokens: int = 32,
                  priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1, **penalties: float) -> FlashQuestion:
     limits = core.limits
     q = validate_registration(session, question, flash_id, max_tokens, priority, min_interval_s,
@@ -440,9 +406,23 @@ def new_question(core, session: Session, question: str, flash_id: str | None = N
     return q
 
 
-def unregister(core, session_id: str, flash_id: str) -> dict:
+def unregister(core: EngineCore, session_id: str, flash_id: str) -> dict:
     session = core.live(session_id)
     q = session.flash.pop(flash_id, None)
     if q is None:
         raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code=Code.FLASH_NOT_FOUND)
     return q.state(session.data_version)
+
+
+def restore(core: EngineCore, session: Session, items: list[dict], next_id: int) -> None:
+    """A checkpoint's flash questions, with their answers and marks (sessions/checkpoint.py)."""
+    session.next_flash_id = next_id
+    session.flash = {}
+    for item in items:
+        args = {k: v for k, v in item["args"].items() if v is not None}
+        q = new_question(core, session, **args)
+        if item["answer"] is not None:
+            q.answer = FlashAnswer(**item["answer"])
+        q.candidate, q.candidate_count = item["candidate"], item["candidate_count"]
+        q.evaluated_version, q.evaluations, q.stale = item["evaluated_version"], item["evaluations"], item["stale"]
+        session.flash[item["args"]["flash_id"]] = q

@@ -27,6 +27,7 @@ import struct
 import time
 from collections import OrderedDict, deque
 from dataclasses import fields, is_dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,9 +35,12 @@ from .errors import Code, EngineError
 from .flash import FlashAnswer, FlashQuestion
 from .kvcache import KVCache
 from .sampling import Penalties
-from .session import Chunk
+from .session import Chunk, adopt
 from .thinking import ThinkingConfig, ThinkingState, Unit
 from .window import TextWindow
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 MAGIC = b"STREAMER-HANDOFF-1\n"
 PREFIX_ATOL = 1e-4  # the importer's framing prefix against the exporter's (fp32: same computation)
@@ -65,7 +69,7 @@ class HandoffError(EngineError):
 # ---- export ------------------------------------------------------------------------------------
 
 
-def export_session(core, session_id: str, extra: dict | None = None) -> bytes:
+def export_session(core: EngineCore, session_id: str, extra: dict | None = None) -> bytes:
     """The blob of `session_id` (engine thread). Raises HandoffError while the session has work
     in flight (input accepted but not read yet, or a job running): export it when idle."""
     session = core.live(session_id)
@@ -165,7 +169,7 @@ def _tensor(body: memoryview, item: dict) -> torch.Tensor:
     return data.view(dtype).reshape(item["shape"])
 
 
-def import_session(core, session_id: str, blob: bytes) -> dict:
+def import_session(core: EngineCore, session_id: str, blob: bytes) -> dict:
     """Make `session_id`, freshly created on this engine with the settings it was created with
     (its framing prefix in the cache, nothing read yet), the exported session (engine thread).
     Resolves to its state. Raises HandoffError if the blob is not for this model or session."""
@@ -175,14 +179,12 @@ def import_session(core, session_id: str, blob: bytes) -> dict:
     kv = tensors[_index(header["cache"])].to(session.cache.shape.device)
     state = {name: _decode(header["state"][name], tensors, core) for name in SESSION_FIELDS}
     _write_cache(session.cache, kv)
-    for name, value in state.items():
-        setattr(session, name, value)
-    if header["logits"] is not None:
-        session.last_logits = tensors[_index(header["logits"])].to(session.cache.shape.device)
+    logits = header["logits"]
+    adopt(session, state, None if logits is None else tensors[_index(logits)].to(session.cache.shape.device))
     return session.state()
 
 
-def _check(core, session, header: dict, session_id: str) -> None:
+def _check(core: EngineCore, session, header: dict, session_id: str) -> None:
     if header.get("session_id") != session_id:
         raise HandoffError(f"the blob is of session {header.get('session_id')!r}, not {session_id!r}")
     if header.get("model") != core.runner.name or header.get("kv") != _shape_of(session.cache.shape):
@@ -209,7 +211,7 @@ def _index(ref: dict) -> int:
     return int(ref["__tensor__"])
 
 
-def _decode(value, tensors: list[torch.Tensor], core):
+def _decode(value, tensors: list[torch.Tensor], core: EngineCore):
     if isinstance(value, list):
         return [_decode(v, tensors, core) for v in value]
     if not isinstance(value, dict):

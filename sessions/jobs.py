@@ -22,14 +22,20 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import Code, ContextOverflow, InputEnded, InvalidRequest, SessionClosed
 from .futures import settle
 from .multimodal import encode_frames
+from .room import Room
 from .runner import SeqStep
-from .session import AppendResult, Session
+from .session import AppendResult, Session, cut_tail, mark_ended, queue_tokens
+from .window import check_input, make_room, set_window, take_evicted, unbound
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 UNBOUNDED = 1 << 30  # `want` of a job that can use any budget (it learns its size when it starts)
 
@@ -93,6 +99,11 @@ class Job:
         """Tokens it could run in the next step (0: it finishes without a forward)."""
         return UNBOUNDED
 
+    def room(self) -> Room | None:
+        """What it needs of the session's reading cache as it starts (None: nothing, or it has
+        started); the core makes it before the job plans (`window.make_room`)."""
+        return None
+
     def ready(self, lanes: "Lanes") -> bool:
         """Whether it may run now (a FIFO head that is not ready holds its queue for a step)."""
         return True
@@ -123,7 +134,7 @@ class Job:
     def result(self):
         return None
 
-    def finish(self, core, exc: BaseException | None = None) -> None:
+    def finish(self, core: EngineCore, exc: BaseException | None = None) -> None:
         """What finishing means; the default resolves the caller's future. `core` is the engine
         core (its `stats`, its sessions); `exc` is why the job failed, if it did."""
         if exc is not None and not self.done:
@@ -264,7 +275,7 @@ class PrefillJob(Job):
         self.counted = cache is None  # a shared prefix fill does not add to the session's tokens
         self.evict_first: list[int] = []  # replay: the inputs the original evicted before this one
         if self.counted:
-            session.pending_tokens += len(tokens)
+            queue_tokens(session, len(tokens))
 
     @property
     def can_join(self) -> bool:
@@ -307,23 +318,18 @@ class PrefillJob(Job):
     def want(self) -> int:
         return len(self.tokens) - self.pos
 
+    def room(self) -> Room | None:
+        """An input to a windowed session evicts old inputs first if it would not fit (replay:
+        exactly the inputs the original evicted)."""
+        if self.start is not None or self.text is None:
+            return None
+        return Room(len(self.tokens), tuple(self.evict_first))
+
     def begin(self, after: "PrefillJob | None" = None) -> None:
-        """Runs once, when the job first reaches the head of its session's queue (or joins the
-        job `after` it in one step: then it is written right after that one's tokens). An input
-        to a windowed session evicts old inputs first if it would not fit."""
-        if after is None:
-            self.make_room()
+        """Runs once, when the job first reaches the head of its session's queue (after its room
+        was made), or joins the job `after` it in one step: then it is written right after that
+        one's tokens."""
         self.start = self.cache.length if after is None else after.end
-
-    def make_room(self) -> None:
-        s = self.session
-        if self.text is None or s.window is None:
-            return
-        from .window import evict_seqs, room_for_input
-
-        if self.evict_first:
-            evict_seqs(s, self.evict_first)
-        room_for_input(s, len(self.tokens))
 
     def plan_one(self, budget: int) -> SeqStep | None:
         if self.start is None:
@@ -341,7 +347,7 @@ class PrefillJob(Job):
         self.ran += self._planned
         self.cache.commit(self.start + self.pos)
         if self.counted:
-            self.session.pending_tokens -= self._planned
+            queue_tokens(self.session, -self._planned)
         self.session.last_logits = logits
         if self.pos >= len(self.tokens):
             self.finish_input()
@@ -353,16 +359,16 @@ class PrefillJob(Job):
 
     def abort(self) -> None:
         if self.counted:
-            self.session.pending_tokens -= len(self.tokens) - self.pos
+            queue_tokens(self.session, self.pos - len(self.tokens))
 
     def result(self) -> AppendResult | None:
         if self.chunk is None:
             return None
         s = self.session
         return AppendResult(s.id, self.chunk.seq, len(self.tokens), s.cache.length, s.data_version,
-                            time.monotonic() - self.submitted_at, evicted_seqs=evicted(s))
+                            time.monotonic() - self.submitted_at, evicted_seqs=take_evicted(s))
 
-    def finish(self, core, exc: BaseException | None = None) -> None:
+    def finish(self, core: EngineCore, exc: BaseException | None = None) -> None:
         if exc is None and self.text is not None:
             core.stats.tokens_ingested += self.ran
         super().finish(core, exc)
@@ -382,20 +388,24 @@ class ReviseJob(PrefillJob):
         self.kept = 0
         self.replaced: list[int] = []
 
-    def begin(self, after: PrefillJob | None = None) -> None:
+    def _tail(self) -> int:
+        """Index of the first chunk it replaces (refused, before any eviction, if a frame is in it)."""
         s = self.session
         first = s.tail_from(self.from_seq)
-        if any(c.extent is not None for c in s.chunks[first:]):  # before any eviction: a refusal changes nothing
+        if any(c.extent is not None for c in s.chunks[first:]):
             raise InvalidRequest(f"session {s.id}: a revise cannot replace a frame (revise text after the last frame)")
-        bound = s.context_window if s.window is None else s.window.max_tokens
-        if s.window is not None:  # a longer tail evicts older input first (never the tail itself)
-            from .window import evict, evict_seqs
+        return first
 
-            if self.evict_first:
-                first -= len(evict_seqs(s, self.evict_first))
-            grow = len(self.tokens) - sum(len(c.tokens) for c in s.chunks[first:])
-            if s.cache.length + grow > bound:
-                first -= len(evict(s, bound - grow, limit=first))
+    def room(self) -> Room | None:
+        """A longer tail evicts older input first (never the tail itself)."""
+        if self.start is not None:
+            return None
+        return Room(len(self.tokens), tuple(self.evict_first), replace_from=self._tail())
+
+    def begin(self, after: PrefillJob | None = None) -> None:
+        s = self.session
+        first = self._tail()
+        bound = s.context_window if s.window is None else s.window.max_tokens
         tail = s.chunks[first:]
         base = tail[0].start
         if base + len(self.tokens) > bound:
@@ -414,12 +424,9 @@ class ReviseJob(PrefillJob):
         if not self.tokens:
             s.last_logits = None  # the tail is deleted; known again after the next input
         self.kept = lcp
-        self.replaced = [c.seq for c in tail]
-        del s.chunks[first:]
-        s.cache.crop(base + self.kept)
-        s.crop_epoch += 1  # forks reading the old tail (flash evaluations) are now stale
+        self.replaced = [c.seq for c in cut_tail(s, first, base + self.kept)]  # forks over it are stale
         self.start, self.pos = base, self.kept
-        s.pending_tokens -= self.kept
+        queue_tokens(s, -self.kept)
 
     def finish_input(self) -> None:
         s = self.session
@@ -433,7 +440,8 @@ class ReviseJob(PrefillJob):
         s = self.session
         seq = self.chunk.seq if self.chunk else 0
         return AppendResult(s.id, seq, len(self.tokens), s.cache.length, s.data_version,
-                            time.monotonic() - self.submitted_at, self.kept, self.replaced, evicted_seqs=evicted(s))
+                            time.monotonic() - self.submitted_at, self.kept, self.replaced,
+                            evicted_seqs=take_evicted(s))
 
 
 class SegmentJob(ReviseJob):
@@ -451,14 +459,29 @@ class SegmentJob(ReviseJob):
         self.segment, self.final = segment, final
         self.revising = False
         self.frozen = False
+        self.decided = False
 
-    def begin(self, after: PrefillJob | None = None) -> None:
+    def _decide(self) -> None:
+        """Revise or append: decided once, as it starts (before its room is made)."""
+        if self.decided:
+            return
         s = self.session
         seq = s.segments.get(self.segment)
         self.revising = seq is not None and bool(s.chunks) and s.chunks[-1].seq == seq
         self.frozen = seq is not None and not self.revising
         if self.revising:
             self.from_seq = seq
+        self.decided = True
+
+    def room(self) -> Room | None:
+        if self.start is not None:
+            return None
+        self._decide()
+        return super().room() if self.revising else PrefillJob.room(self)
+
+    def begin(self, after: PrefillJob | None = None) -> None:
+        self._decide()
+        if self.revising:
             super().begin(after)
         else:
             PrefillJob.begin(self, after)
@@ -509,18 +532,9 @@ class FrameJob(PrefillJob):
         """The frame's embeddings are not made yet (the vision tower is this job's first part)."""
         return self.frame.embeds is None
 
-    def make_room(self) -> None:
+    def room(self) -> Room | None:
         """A vision bound evicts old frames first (replay: exactly the inputs the original evicted)."""
-        from .window import evict_seqs, room_for_frame, room_for_input
-
-        s = self.session
-        if s.window is None:
-            return
-        if self.evict_first:
-            evict_seqs(s, self.evict_first)
-        else:
-            room_for_frame(s, len(self.tokens))
-        room_for_input(s, len(self.tokens))
+        return None if self.start is not None else Room(len(self.tokens), tuple(self.evict_first), frame=True)
 
     def begin(self, after: "PrefillJob | None" = None) -> None:
         super().begin(None)
@@ -545,15 +559,13 @@ class FrameJob(PrefillJob):
 # ---- the input commands (run on the engine thread; `core` is the EngineCore) ----------------
 
 
-def append(core, session_id: str, text: str, evict_first: list[int] | None = None,
+def append(core: EngineCore, session_id: str, text: str, evict_first: list[int] | None = None,
            tokens: list[int] | None = None) -> Future:
     """Resolves to an AppendResult once the text's tokens are in the cache. The text is
     tokenized on its own (never with earlier text): `tokens`, by the tokenizer's workers before
     the engine thread (`Engine.append`), else here. Input that can never fit is refused now; a
     windowed session evicts old inputs when this one starts, if it must (`evict_first`: replay
     evicts exactly the inputs the original session evicted before this one)."""
-    from .window import check_input
-
     session = core.writable(session_id)
     if tokens is None:
         tokens = core.runner.tokenize(text)
@@ -566,11 +578,9 @@ def append(core, session_id: str, text: str, evict_first: list[int] | None = Non
     return core.submit(job)
 
 
-def append_frame(core, session_id: str, frame, text: str, evict_first: list[int] | None = None) -> Future:
+def append_frame(core: EngineCore, session_id: str, frame, text: str, evict_first: list[int] | None = None) -> Future:
     """Read one frame (a `multimodal.FrameInput`, built from the engine's own VL model) into the
     session's cache; `text` names it in the log. Resolves to an AppendResult like `append`."""
-    from .window import check_input
-
     session = core.writable(session_id)
     if core.runner.vl is None:
         raise InvalidRequest(f"the engine's model {core.runner.name} reads no images (serve a vision-language "
@@ -581,12 +591,7 @@ def append_frame(core, session_id: str, frame, text: str, evict_first: list[int]
     return core.submit(job)
 
 
-def evicted(session: Session) -> list[int]:
-    """Input seqs the session's window evicted since the last input reported them."""
-    return session.window.take_evicted() if session.window is not None else []
-
-
-def revise(core, session_id: str, text: str, from_seq: int | None = None,
+def revise(core: EngineCore, session_id: str, text: str, from_seq: int | None = None,
            evict_first: list[int] | None = None, tokens: list[int] | None = None) -> Future:
     """Replace the input from `from_seq` on (default: the last input); resolves to an AppendResult.
     `tokens`: the text tokenized before the engine thread, as for `append`."""
@@ -598,11 +603,9 @@ def revise(core, session_id: str, text: str, from_seq: int | None = None,
     return core.submit(job)
 
 
-def transcribe(core, session_id: str, segment: str, text: str, final: bool) -> Future:
+def transcribe(core: EngineCore, session_id: str, segment: str, text: str, final: bool) -> Future:
     """Write one transcript of an audio segment (see SegmentJob); resolves to an AppendResult,
     or None when there was nothing to write."""
-    from .window import check_input
-
     session = core.writable(session_id)
     tokens = len(session.tokenize(text))
     if tokens:
@@ -610,13 +613,12 @@ def transcribe(core, session_id: str, segment: str, text: str, final: bool) -> F
     return core.submit(SegmentJob(session, segment, text, final))
 
 
-def end_input(core, session_id: str) -> dict:
+def end_input(core: EngineCore, session_id: str) -> dict:
     """No more input. With thinking on, a final deliberation continues the notes."""
     session = core.writable(session_id)
-    session.ended = True
-    state = session.thinking
-    if state is not None and state.config.mode != "off" and state.config.final_tokens:
-        state.final_requested = True
+    mark_ended(session)
+    if session.thinking is not None:
+        session.thinking.input_ended()
     return session.state()
 
 
@@ -630,9 +632,48 @@ def closed_error(session_id: str) -> SessionClosed:
     return SessionClosed(f"session {session_id} was closed")
 
 
+def configure_window(core: EngineCore, session_id: str, max_tokens: int | None = None, keep_tokens: int = 0,
+                     sink_inputs: int = 1, unbounded: bool = False, vision_tokens: int = 0) -> dict | Future:
+    """Bound the session's reading cache (sinks + recent inputs, `window.set_window`), or with
+    `unbounded` lift the bound (input past the model's window is then refused with
+    `context_overflow`). A cache already past the new bound is evicted down to it at the
+    ResizeJob's turn. Returns the session state (or a future of it)."""
+    session = core.live(session_id)
+    if unbounded:
+        unbound(session)
+        return session.state()
+    if max_tokens is None:
+        raise InvalidRequest("window needs 'max_tokens' (or null for an unbounded session)", param="max_tokens")
+    set_window(session, max_tokens, keep_tokens, sink_inputs, vision_tokens=vision_tokens)
+    return core.submit(ResizeJob(session))  # in the FIFO: after the input queued before it
+
+
+class ResizeJob(Job):
+    """A new bound takes effect at its turn in the session's FIFO: a cache past it is evicted
+    down to `keep_tokens` then (its room, so a replay that queues the same records evicts the
+    same inputs). Runs no forward; resolves to the session state."""
+
+    kind = "resize"
+
+    def want(self) -> int:
+        return 0
+
+    def room(self) -> Room | None:
+        return None if self.done else Room(bound=True)
+
+    def plan(self, budget: int) -> list:
+        self.done = True
+        return []
+
+    def result(self) -> dict:
+        return self.session.state()
+
+
 def drive(runner, job: Job, budget: int = 512):
-    """Run one job to completion on the calling thread (tests, benchmarks)."""
+    """Run one job to completion on the calling thread (tests, benchmarks): its room is made as
+    the engine's step makes it, then it plans and runs."""
     while not job.done:
+        make_room(job.session, job.room())
         steps = job.plan(budget)
         if steps:
             job.complete_many(runner.forward(steps, logits="last"))

@@ -188,3 +188,11 @@ class KVCache:
     def snapshot(self) -> torch.Tensor:
         """A copy of the committed part, for tests and parking."""
         return self._buf[:, :, :, : self.length].clone()
+
+
+def own_slots(cache) -> torch.Tensor:
+    """The K/V slots a cache owns past its shared prefix (a pool's blocks, or its own buffer), to
+    write a restored cache's K/V into (checkpoints)."""
+    if getattr(cache, "pool", None) is not None:
+        return cache.pool.storage[:, :, :, cache.pool.slots(cache.extent)]
+    return cache._buf

@@ -24,6 +24,7 @@ import torch
 
 from .errors import Code, EngineError
 from .kvcache import KVShape
+from .models import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -280,8 +281,6 @@ class SharedPrefix:
 
 
 def park_dir() -> str:
-    from .models import cache_root
-
     path = os.path.join(cache_root(), "parked")
     os.makedirs(path, exist_ok=True)
     return path

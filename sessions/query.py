@@ -14,15 +14,21 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import Code, ContextOverflow, InvalidRequest
+from .forks import fork_view
 from .jobs import Job, Priority
 from .kvcache import KVCache
+from .room import Room
 from .runner import SeqStep
 from .sampling import Sampler, SamplingParams
-from .session import Session
+from .session import Session, normalize
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 
 @dataclass(slots=True)
@@ -114,24 +120,29 @@ class QueryJob(Job):
         q = len(self.question_ids)
         return q - self.fed if self.fed < q else 1
 
+    def room(self) -> Room | None:
+        """A windowed session always answers: it evicts old input first, until question and
+        answer fit after the question's position in the model's window."""
+        s = self.session
+        if self.base is not None or s.window is None:
+            return None
+        view = fork_view(s)  # the question's first token goes after the reading cache (and dual notes)
+        at = view.base if view.notes_end is None else max(view.base, view.notes_end)
+        return Room(len(self.question_ids) + self.params.max_tokens, answer_at=at)
+
     def begin(self) -> None:
         s = self.session
         if self.stats is not None and self.commands_asked is not None:  # its own command aside
             self.commands_waited = max(0, self.stats.commands - self.commands_asked - 1)
-        if s.window is not None:  # a windowed session always answers: it evicts old input first
-            from .window import room_for_answer
-
-            room_for_answer(s, len(self.question_ids) + self.params.max_tokens, self._position(s, s.cache.length))
-        self.base = s.cache.length
+        view = fork_view(s)
+        self.base = view.base
         self.data_version = s.data_version
         self.started_at = time.monotonic()
-        thinking = s.thinking
         self.pos0 = self.base
-        if thinking is not None and thinking.cache is not None and thinking.cache.length:
-            # Dual thinking: the question sees the reading cache and the notes, and its
-            # positions come after both streams.
-            self.prefixes = ((s.cache, self.base), (thinking.cache, thinking.cache.length))
-            self.pos0 = max(s.next_position, thinking.last_position + 1)
+        if view.notes:  # dual thinking: the question sees the reading cache and the notes, and its
+            # positions come after both streams (without notes it writes past the reading cache itself)
+            self.prefixes = view.prefixes
+            self.pos0 = view.position
         room = s.context_window - self.pos0 - len(self.question_ids)
         if room < 1:
             raise ContextOverflow(
@@ -142,14 +153,6 @@ class QueryJob(Job):
             self.own = s.runner.new_cache(len(self.question_ids) + self.max_new)
         else:
             s.cache.reserve(self.base + len(self.question_ids) + self.max_new)
-
-    @staticmethod
-    def _position(s: Session, base: int) -> int:
-        """Where the question's first token goes: after the reading cache (and dual notes)."""
-        thinking = s.thinking
-        if thinking is not None and thinking.cache is not None and thinking.cache.length:
-            return max(base, thinking.last_position + 1)
-        return base
 
     def plan_one(self, budget: int) -> SeqStep | None:
         if self.base is None:
@@ -231,7 +234,7 @@ class QueryJob(Job):
             over=self.over, unread_inputs=self.unread_inputs, commands_waited=self.commands_waited,
         )
 
-    def finish(self, core, exc: BaseException | None = None) -> None:
+    def finish(self, core: EngineCore, exc: BaseException | None = None) -> None:
         if exc is None:
             core.stats.queries += 1
         if not self.session.closed and self.base is not None:  # it began: its fork may hold blocks
@@ -239,7 +242,30 @@ class QueryJob(Job):
         super().finish(core, exc)
 
 
-def end_queries(core, reason: str = "shutdown") -> int:
+def cached_answer(session: Session, question: str, params, query_id: str | None):
+    """A query that asks a registered question whose answer is current needs no model: its
+    QueryResult, or None."""
+    if params.temperature != 0 or params.stop or session.pending_tokens:
+        return None
+    penalties = params.penalties
+    key = normalize(question)
+    for q in session.flash.values():
+        a = q.answer
+        if normalize(q.question) != key or a is None or a.data_version != session.data_version:
+            continue
+        if q.penalties != penalties:
+            return None  # decoded with other penalties: a different answer
+        complete = params.max_tokens == q.max_tokens or (a.finish_reason == "stop" and len(a.tokens) < params.max_tokens)
+        if not complete:
+            return None
+        session.queries_answered += 1
+        return QueryResult(session.id, query_id or secrets.token_hex(6), a.text, list(a.tokens), a.finish_reason,
+                           a.data_version, session.cache.length, len(q.question_ids), 0.0, 0.0, 0.0, 0.0,
+                           cached=True)
+    return None
+
+
+def end_queries(core: EngineCore, reason: str = "shutdown") -> int:
     """Every question still running or queued ends now, between steps, with `finish_reason`
     `reason` and the text it has so far: the server's shutdown gives each its final `query.done`
     instead of cutting it. The sessions are unchanged (a question never commits). Returns how many."""
@@ -254,7 +280,7 @@ def end_queries(core, reason: str = "shutdown") -> int:
 OVER = ("sent", "read")  # what a question may be asked over (docs/protocol.md, query.create `over`)
 
 
-def query(core, session_id: str, question: str, params: SamplingParams | None = None,
+def query(core: EngineCore, session_id: str, question: str, params: SamplingParams | None = None,
           on_delta: Callable[[str], None] | None = None, query_id: str | None = None,
           cancelled: threading.Event | None = None, over: str = "sent", question_ids: list[int] | None = None,
           commands_asked: int | None = None) -> Future | QueryResult:
@@ -269,8 +295,6 @@ def query(core, session_id: str, question: str, params: SamplingParams | None = 
     unchanged: a question never commits. `question_ids`: the framed question tokenized before the
     engine thread (`Engine.query`), else here; `commands_asked`: the engine's command count when
     it was asked (its result's `commands_waited`)."""
-    from .flash import cached_answer
-
     if over not in OVER:
         raise InvalidRequest(f"over must be one of {', '.join(map(repr, OVER))}, got {over!r}", param="over")
     params = params or SamplingParams()

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from streamer.kernels import cpu
 from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend
 
 from .kvcache import KVBuffer, KVCache, KVShape
+from .multimodal import vl_parts
 from .native import NativeStack
+from .rope import inverse_frequencies
 from .weights import WeightsInfo, describe_weights, stabilize_rows
 
 ATTENTION_NAME = "streamer_cache"
@@ -162,8 +165,6 @@ def native_stack(model: torch.nn.Module) -> NativeStack | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or not hasattr(layers[0].self_attn, "native_qkv"):
         return None
-    from streamer.kernels import cpu
-
     cpu.set_threads(torch.get_num_threads())
     return NativeStack(model, torch.float16)
 
@@ -174,8 +175,6 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, tokenizer, name: str = "model",
                  weights: WeightsInfo | None = None) -> None:
-        from .multimodal import vl_parts
-
         register_attention()
         self.model = model
         self.tokenizer = tokenizer
@@ -208,8 +207,6 @@ class ModelRunner:
     def inv_freq(self) -> torch.Tensor:
         """The model's rotary inverse frequencies (re-anchoring turns cached keys with them)."""
         if self._inv_freq is None:
-            from .rope import inverse_frequencies
-
             self._inv_freq = inverse_frequencies(self.model if self.vl is None else self.vl.lm)
         return self._inv_freq
 

@@ -5,15 +5,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import ContextOverflow, InvalidRequest
 from .framing import Framing
 from .kvcache import SessionCache
+from .pool import PagedCache
 from .runner import ModelRunner, resolve_logits
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,11 @@ class Histogram:
         return out
 
 
+def normalize(text: str) -> str:
+    """What counts as the same answer: case, surrounding punctuation and spacing ignored."""
+    return re.sub(r"\s+", " ", text).strip().strip(".!?,;:").strip().lower()
+
+
 def json_object(text: str) -> dict | None:
     """The input as a JSON object, if it is one (observations for action policies)."""
     text = text.strip()
@@ -107,8 +118,6 @@ class Session:
         if pool is None:  # a private cache (tests, tools)
             self.cache: SessionCache = runner.new_cache(max_tokens)
         else:  # blocks of the engine's pool; the system prompt's full blocks shared
-            from .pool import PagedCache
-
             shared = pool.prefix_for(self.prefix_ids) if share_prefix else None
             self.cache = PagedCache(pool, max_tokens or runner.context_window, shared)
         self.last_active = time.monotonic()
@@ -281,17 +290,83 @@ class Session:
                 self.log.exception("listener failed on %s", event)
 
 
+# ---- the log's own changes (the only writers of the log's fields outside `Session`) -------------
+# Who assigns a Session field: this module the input log, the reading and the clocks (`chunks`,
+# `next_seq`, `data_version`, `position_offset`, `crop_epoch`, `segments`, `pending_tokens`,
+# `ended`, ...); engine.py the lifecycle (`closed`, `last_active`, `owner`); each feature its own
+# state: window.py `window`, thinking.py `thinking`, flash.py `flash`/`next_flash_id`, actions.py
+# `actions`/`rules`/`next_rule_id`, query.py `queries_answered`, background.py `idle_turn`.
+
+
+def queue_tokens(session: Session, n: int) -> None:
+    """`n` tokens accepted but not in the cache yet (negative: read, or dropped)."""
+    session.pending_tokens += n
+
+
+def mark_ended(session: Session) -> None:
+    session.ended = True
+
+
+def cut_tail(session: Session, first: int, keep: int) -> list[Chunk]:
+    """A revise: forget `chunks[first:]` and crop the cache to `keep` tokens; forks reading the
+    old tail (flash evaluations) are now stale. Returns the chunks cut."""
+    tail = session.chunks[first:]
+    del session.chunks[first:]
+    session.cache.crop(keep)
+    session.crop_epoch += 1
+    return tail
+
+
+def drop_inputs(session: Session, first: int, drop: int, turn: int) -> list[int]:
+    """The window removed the K/V of `chunks[first:drop]` (they took `turn` positions): forget
+    them, move the later chunks down, and mark forks over the old positions stale. Returns the
+    evicted input seqs."""
+    gone = session.chunks[first:drop]
+    shift = gone[-1].end - gone[0].start
+    session.position_offset += shift - turn
+    del session.chunks[first:drop]
+    for chunk in session.chunks[first:]:
+        chunk.start -= shift
+    session.crop_epoch += 1  # forks reading the old positions (flash, dual units) are now stale
+    seqs = [c.seq for c in gone if c.seq]
+    if session.segments:
+        session.segments = {k: v for k, v in session.segments.items() if v not in seqs}
+    return seqs
+
+
+RESTORED = ("data_version", "next_seq", "position_offset", "frames", "media_s", "ended", "crop_epoch")
+
+
+def restore_log(session: Session, state: dict, logits) -> None:
+    """A checkpoint's log and clocks back into a session just created (sessions/checkpoint.py)."""
+    session.chunks = [Chunk(**c) for c in state["chunks"]]
+    for name in RESTORED:
+        setattr(session, name, state[name])
+    session.segments = dict(state["segments"])
+    if session.chunks:
+        session.last_input_at = session.chunks[-1].ts
+    session.last_logits = logits
+
+
+def adopt(session: Session, fields: dict, logits) -> None:
+    """A handed-off session's fields, all at once, into a session just created (sessions/handoff.py)."""
+    for name, value in fields.items():
+        setattr(session, name, value)
+    if logits is not None:
+        session.last_logits = logits
+
+
 # ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
 
 
-def add_listener(core, session_id: str, listener) -> None:
+def add_listener(core: EngineCore, session_id: str, listener) -> None:
     """`listener(event_type, payload)` is called on the engine thread for session events
     (`flash.updated`, `reasoning.*`, `action.*`, and `flash.evaluated` for an evaluation that
     changed no answer, which is not sent to clients); it must not block."""
     core.live(session_id).listeners.append(listener)
 
 
-def remove_listener(core, session_id: str, listener) -> None:
+def remove_listener(core: EngineCore, session_id: str, listener) -> None:
     session = core.sessions.get(session_id)
     if session is not None and listener in session.listeners:
         session.listeners.remove(listener)

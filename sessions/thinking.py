@@ -39,16 +39,22 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import EngineError, InvalidRequest
+from .forks import fork_view
 from .jobs import UNBOUNDED, Job, Lanes, Priority
-from .kvcache import KVCache
+from .kvcache import KVCache, own_slots
+from .room import Room
 from .rope import rotate_keys
 from .runner import SeqStep
 from .sampling import Penalties
 from .session import Session
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +186,39 @@ class ThinkingState:
                 "visible_tokens": self.seen_tokens, "final_done": self.final_done,
                 "recent": [u.public() for u in self.units[-3:]]}
 
+    def input_ended(self) -> None:
+        """input.end: with thinking on, a final deliberation continues the notes."""
+        if self.config.mode != "off" and self.config.final_tokens:
+            self.final_requested = True
+
+    def release(self) -> None:
+        """The session closed: its dual notes' cache goes."""
+        self.cache = None
+
+    def reanchor(self, gone: list, inv_freq: torch.Tensor) -> None:
+        """The window evicted the chunks `gone` (sessions/window.py). The notes of a dual thinking
+        cache sit after the reading positions they saw: a unit that saw evicted inputs moves down
+        with the reading cache by what it saw of them (their tokens in the reading, their
+        positions in its own: a VL frame takes fewer positions than tokens), so thinking positions
+        stay bounded too. Eviction takes whole inputs, and a unit starts between inputs, so it saw
+        each evicted input whole or not at all."""
+        if self.cache is None:
+            return
+
+        def seen(upto: int) -> tuple[int, int]:  # tokens and positions of the evicted inputs before `upto`
+            saw = [c for c in gone if c.end <= upto]
+            return sum(len(c.tokens) for c in saw), sum(c.span for c in saw)
+
+        for unit in self.units:
+            tokens, turn = seen(unit.visible)
+            if tokens:
+                unit.visible -= tokens
+                unit.visible_pos -= turn
+                rotate_keys(self.cache, unit.start, unit.end - unit.start, -turn, inv_freq)
+                unit.positions = (unit.positions[0] - turn, unit.positions[1] - turn)
+        self.last_position = self.units[-1].positions[1] if self.units else -1
+        self.seen_tokens -= seen(self.seen_tokens)[0]
+
 
 def configure(session: Session, config: ThinkingConfig) -> None:
     """Set (or change) a session's thinking mode. Switching modes keeps written reasoning
@@ -196,7 +235,7 @@ def configure(session: Session, config: ThinkingConfig) -> None:
         state.config = config
 
 
-def configure_command(core, session_id: str, settings: dict) -> dict:
+def configure_command(core: EngineCore, session_id: str, settings: dict) -> dict:
     """Set or change the session's thinking mode and settings (ThinkingConfig fields); returns
     the session state."""
     session = core.live(session_id)
@@ -279,7 +318,8 @@ class ThinkJob(Job):
 
     def begin(self) -> None:
         s, state, c = self.session, self.state, self.config
-        visible = s.cache.length
+        view = fork_view(s)  # it reads the reading cache as it is now; its notes follow its next position
+        visible = view.base
         last = s.chunks[-1].seq if s.chunks else 0
         first = min(state.seen_seq + 1, last)
         if not state.units or not self.dual:
@@ -288,13 +328,13 @@ class ThinkJob(Job):
             self.to_feed = self._new_input_turn(first, last)
         else:  # the final deliberation with nothing new: it continues the notes
             self.to_feed = s.tokenize("\n")
-        reopen = len(s.tokenize(s.framing.between)) if not self.dual else 0
-        self._make_room(len(self.to_feed) + self.budget + reopen + 1)
+        if self.dual:
+            self._make_room(len(self.to_feed) + self.budget + 1)
         self.earlier = [t for u in state.units[-PENALTY_NOTES:] for t in u.ids]
         start = state.cache.length if self.dual else visible
         index = len(state.units) + state.dropped_units + state.repeated_units
         self.unit = Unit(index, (first, last), visible, start, start,
-                         final=self.final, started_at=time.monotonic(), visible_pos=s.next_position)
+                         final=self.final, started_at=time.monotonic(), visible_pos=view.reading_position)
         state.seen_tokens, state.seen_seq = visible, last
 
     def _new_input_turn(self, first: int, last: int) -> list[int]:
@@ -327,24 +367,26 @@ class ThinkJob(Job):
     def want(self) -> int:
         return UNBOUNDED if self.unit is None else len(self.to_feed)
 
-    def finish(self, core, exc: BaseException | None = None) -> None:
+    def finish(self, core: EngineCore, exc: BaseException | None = None) -> None:
         if exc is not None:
             log.error("reasoning unit on session %s failed: %s", self.session.id, exc)
             self.state.seen_tokens = self.session.cache.length  # no retry loop on the same input
         super().finish(core, exc)
 
+    def room(self) -> Room | None:
+        """Interleaved: the reading cache must have room for the prompt, the unit and the reopened
+        data turn (a window evicts old input to make it; an unbounded session refuses)."""
+        if self.dual or self.unit is not None:
+            return None
+        s = self.session
+        need = len(s.tokenize(s.framing.question_text(self.config.instruction())))
+        need += self.budget + len(s.tokenize(s.framing.between)) + 1
+        return Room(need, what="reasoning")
+
     def _make_room(self, need: int) -> None:
         """Dual: drop the oldest units (never the first, which holds the header) until `need`
-        more tokens fit. Interleaved: the reading cache must have room."""
+        more tokens fit in the thinking cache."""
         state = self.state
-        if not self.dual:
-            if self.session.window is not None:
-                from .window import room_for_input
-
-                room_for_input(self.session, need)  # a window evicts old input to make room
-            else:
-                self.session.check_room(need, "reasoning")
-            return
         gap_start, gap = None, 0
         while state.cache.length + need > state.cache.max_tokens and len(state.units) > 1:
             victim = state.units.pop(1)
@@ -476,3 +518,24 @@ class ThinkJob(Job):
         self.session.notify("reasoning.done", unit.public())
         self.done = True
         return True
+
+
+def restore(session: Session, data: dict | None, think: torch.Tensor | None) -> None:
+    """A checkpoint's thinking state and dual notes' K/V (sessions/checkpoint.py)."""
+    if data is None:
+        session.thinking = None
+        return
+    config = ThinkingConfig(**data["config"])
+    state = session.thinking = ThinkingState(config)
+    if config.mode == "dual":
+        state.cache = session.runner.new_cache(config.max_tokens + 64)
+        if think is not None and think.shape[3]:
+            state.cache.reserve(think.shape[3])
+            own_slots(state.cache)[:, :, :, :think.shape[3]] = think.to(state.cache.shape.device)
+            state.cache.commit(think.shape[3])
+    for u in data["units"]:
+        state.units.append(Unit(**{**u, "seqs": tuple(u["seqs"]), "positions": tuple(u["positions"])}))
+    for name in ("written", "last_position", "seen_tokens", "seen_seq", "final_requested", "final_done",
+                 "dropped_units", "repeated_units"):
+        setattr(state, name, data[name])
+    state.notes.update((k, v) for k, v in data["notes"])

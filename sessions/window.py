@@ -21,10 +21,11 @@ what a fresh prefill of the kept inputs at their new positions holds (tests/sess
 test_window.py). A dual thinking cache is re-anchored with its reading cache: its notes turn
 down by the same gap.
 
-Evictions happen when the job that needs the room starts (`PrefillJob.begin`,
-`QueryJob.begin`), so they follow the session's FIFO and depend only on what was accepted
-before, never on timing: replaying the same log evicts the same inputs (the event log's
-records carry the evicted seqs, and replay checks them). Other sessions never wait behind an
+Evictions happen when the job that needs the room starts: each job declares the `Room` it needs
+(`Job.room`) and one step of the core makes it (`make_room`) before the job plans, so they
+follow the session's FIFO and depend only on what was accepted before, never on timing:
+replaying the same log evicts the same inputs (the event log's records carry the evicted seqs,
+and replay checks them). Other sessions never wait behind an
 eviction: it runs inside its own job's step, in a few milliseconds.
 """
 
@@ -32,11 +33,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from .errors import ContextOverflow, InvalidRequest
-from .jobs import Job
+from .room import Room
 from .rope import rotate_keys
-from .session import Session
+from .session import Session, drop_inputs
+
+if TYPE_CHECKING:
+    from .engine import EngineCore
 
 DEFAULT_WINDOW_TOKENS = 4096  # the documented default bound of a session's reading cache
 
@@ -85,6 +90,41 @@ class TextWindow:
         return out
 
 
+def take_evicted(session: Session) -> list[int]:
+    """Input seqs the session's window evicted since the last input reported them."""
+    return session.window.take_evicted() if session.window is not None else []
+
+
+def make_room(session: Session, room: Room | None) -> None:
+    """Make the room a job declared, as it starts: a windowed session evicts old inputs; an
+    unbounded one is left alone (or refuses, for `what`)."""
+    if room is None:
+        return
+    window = session.window
+    if window is None:
+        if room.what is not None:
+            session.check_room(room.tokens, room.what)
+        return
+    if room.bound:
+        if session.cache.length > window.max_tokens:
+            evict(session, window.keep_tokens)
+    elif room.answer_at is not None:
+        room_for_answer(session, room.tokens, room.answer_at)
+    elif room.replace_from is not None:  # a longer tail evicts older input first (never the tail itself)
+        first = room.replace_from
+        if room.evict_first:
+            first -= len(evict_seqs(session, list(room.evict_first)))
+        grow = room.tokens - sum(len(c.tokens) for c in session.chunks[first:])
+        if session.cache.length + grow > window.max_tokens:
+            evict(session, window.max_tokens - grow, limit=first)
+    else:
+        if room.evict_first:
+            evict_seqs(session, list(room.evict_first))
+        elif room.frame:
+            room_for_frame(session, room.tokens)
+        room_for_input(session, room.tokens)
+
+
 def reserve_tokens(limits, context_window: int) -> int:
     """Room a default window leaves free in the model's window: the longest question plus the
     longest answer (flash evaluations and dual-mode notes fit in it too), at most half of it. So
@@ -115,6 +155,16 @@ def set_window(session: Session, max_tokens: int, keep_tokens: int = 0, sink_inp
                          default=default, vision_tokens=vision_tokens)
     session.window = window
     return window
+
+
+def restore(session: Session, settings: dict | None) -> None:
+    """A checkpoint's window, counters included (sessions/checkpoint.py)."""
+    session.window = TextWindow(**settings) if settings is not None else None
+
+
+def unbound(session: Session) -> None:
+    """Lift the session's bound (input past the model's window is then refused)."""
+    session.window = None
 
 
 def window_args(settings: dict) -> dict:
@@ -255,15 +305,9 @@ def _evict_range(s: Session, first: int, drop: int) -> list:
     turn = sum(c.span for c in gone)  # positions they took (a VL frame takes fewer than its tokens)
     s.cache.remove(a, b)  # the kept K/V move down in every layer: one copy
     rotate_keys(s.cache, a - s.cache.prefix_len, moved, -turn, s.runner.inv_freq)  # keys turn back by the gap
-    s.position_offset += shift - turn
-    del s.chunks[first:drop]
-    for chunk in s.chunks[first:]:
-        chunk.start -= shift
-    s.crop_epoch += 1  # forks reading the old positions (flash, dual units) are now stale
-    _reanchor_thinking(s, gone)
-    seqs = [c.seq for c in gone if c.seq]
-    if s.segments:
-        s.segments = {k: v for k, v in s.segments.items() if v not in seqs}
+    seqs = drop_inputs(s, first, drop, turn)  # the log follows; forks over the old positions are stale
+    if s.thinking is not None:  # dual notes turn down with the reading cache
+        s.thinking.reanchor(gone, s.runner.inv_freq)
     w.evicted.extend(seqs)
     ms = (time.perf_counter() - started) * 1000
     w.slides += 1
@@ -278,71 +322,10 @@ def _evict_range(s: Session, first: int, drop: int) -> list:
     return gone
 
 
-def _reanchor_thinking(session: Session, gone: list) -> None:
-    """The notes of a dual thinking cache sit after the reading positions they saw: a unit that
-    saw evicted inputs moves down with the reading cache by what it saw of them (their tokens in
-    the reading, their positions in its own: a VL frame takes fewer positions than tokens), so
-    thinking positions stay bounded too. Eviction takes whole inputs, and a unit starts between
-    inputs, so it saw each evicted input whole or not at all."""
-    state = session.thinking
-    if state is None or state.cache is None:
-        return
-
-    def seen(upto: int) -> tuple[int, int]:  # tokens and positions of the evicted inputs before `upto`
-        saw = [c for c in gone if c.end <= upto]
-        return sum(len(c.tokens) for c in saw), sum(c.span for c in saw)
-
-    for unit in state.units:
-        tokens, turn = seen(unit.visible)
-        if tokens:
-            unit.visible -= tokens
-            unit.visible_pos -= turn
-            rotate_keys(state.cache, unit.start, unit.end - unit.start, -turn, session.runner.inv_freq)
-            unit.positions = (unit.positions[0] - turn, unit.positions[1] - turn)
-    state.last_position = state.units[-1].positions[1] if state.units else -1
-    state.seen_tokens -= seen(state.seen_tokens)[0]
-
-
 # ---- commands (run on the engine thread; `core` is the EngineCore) -----------------------------
 
 
-def configure(core, session_id: str, max_tokens: int | None = None, keep_tokens: int = 0,
-              sink_inputs: int = 1, unbounded: bool = False, vision_tokens: int = 0) -> dict:
-    """Bound the session's reading cache (sinks + recent inputs), or with `unbounded` lift the
-    bound (input past the model's window is then refused with `context_overflow`). A cache
-    already past the new bound is evicted down to it now. Returns the session state."""
-    session = core.live(session_id)
-    if unbounded:
-        session.window = None
-        return session.state()
-    if max_tokens is None:
-        raise InvalidRequest("window needs 'max_tokens' (or null for an unbounded session)", param="max_tokens")
-    set_window(session, max_tokens, keep_tokens, sink_inputs, vision_tokens=vision_tokens)
-    return core.submit(ResizeJob(session))  # in the FIFO: after the input queued before it
-
-
-class ResizeJob(Job):
-    """A new bound takes effect at its turn in the session's FIFO: a cache past it is evicted
-    down to `keep_tokens` then (so a replay that queues the same records evicts the same
-    inputs). Runs no forward; resolves to the session state."""
-
-    kind = "resize"
-
-    def want(self) -> int:
-        return 0
-
-    def plan(self, budget: int) -> list:
-        s = self.session
-        if s.window is not None and s.cache.length > s.window.max_tokens:
-            evict(s, s.window.keep_tokens)
-        self.done = True
-        return []
-
-    def result(self) -> dict:
-        return self.session.state()
-
-
-def ensure(core, session_id: str, max_tokens: int) -> dict:
+def ensure(core: EngineCore, session_id: str, max_tokens: int) -> dict:
     """A media session keeps the media window size (`MediaConfig.window_tokens`) if its window is
     still the default one; a window the client chose, or none, is left as it is. Returns
     {"window_set": the settings applied, or None}."""

@@ -22,9 +22,11 @@ def run_unit(runner, session, stop_ids=None):
     """One reasoning unit of `session`, driven step by step on `runner` (stop ids: the
     tokenizer's end of sequence unless given); returns the finished ThinkJob."""
     from streamer.sessions.thinking import ThinkJob
+    from streamer.sessions.window import make_room
 
     job = ThinkJob(session, frozenset([runner.tokenizer.eos_token_id]) if stop_ids is None else stop_ids)
     while not job.done:
+        make_room(session, job.room())  # as the engine's step does before a job plans
         steps = job.plan(512)
         if steps:
             job.complete_many(runner.forward(steps, logits="last"))
