@@ -105,7 +105,7 @@ class MediaHub:
         if stream is None:
             stream = MediaStream(f"{group}-{sid}")
             try:
-                stream.ingest = self._open(sid, group, stream)
+                stream.ingest = self._open(sid, group, stream, loop)
             except (EngineError, ImportError) as exc:
                 stream.close()
                 if isinstance(exc, ImportError):  # the media extra is not installed
@@ -120,10 +120,11 @@ class MediaHub:
         if group == "audio":
             job = lambda: stream.ingest.feed(fields["format"], fields["payload"], fields["seq"], fields["ts"],  # noqa: E731
                                              fields.get("sample_rate"), fields.get("channels"), bool(fields.get("end")))
-        else:
-            job = lambda: stream.ingest.feed(kind, fields["format"], fields["payload"], fields["seq"],  # noqa: E731
-                                             fields["ts"], bool(fields.get("end")), fields.get("live", True))
-        fut = asyncio.wrap_future(stream.executor.submit(job), loop=loop)
+            taken = stream.executor.submit(job)
+        else:  # on the loop, without waiting: a container's piece goes straight into its decoder
+            taken = stream.ingest.feed(kind, fields["format"], fields["payload"], fields["seq"], fields["ts"],
+                                       bool(fields.get("end")), fields.get("live", True))
+        fut = asyncio.wrap_future(taken, loop=loop)
         stream.backlog.append(fut)
 
         def done(f: asyncio.Future) -> None:
@@ -151,7 +152,7 @@ class MediaHub:
         while stream is not None and len(stream.backlog) > self.config.max_backlog:
             await asyncio.wait([stream.backlog[0]])
 
-    def _open(self, sid: str, group: str, stream: MediaStream):
+    def _open(self, sid: str, group: str, stream: MediaStream, loop: asyncio.AbstractEventLoop):
         def emit(event: str, payload: dict) -> None:
             if event == "error" and (sid, group) not in self.streams:
                 return  # the session closed behind this work: its failure is expected, not news
@@ -172,8 +173,14 @@ class MediaHub:
                 from streamer.vision.describe import FrameDescriber
 
                 encoder = FrameDescriber()
+            def later(delay: float, fn: Callable[[], None]) -> None:  # from any thread
+                try:
+                    loop.call_soon_threadsafe(loop.call_later, delay, fn)
+                except RuntimeError:  # the loop is gone (server shutting down)
+                    pass
+
             return VideoIngest(self.engine, sid, encoder, emit, self.config.video or VideoConfig(),
-                               run=stream.executor.submit)
+                               run=stream.executor.submit, later=later)
         from streamer.vision.ingest import AudioIngest
 
         return AudioIngest(self.engine, sid, emit, self.config.audio)

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from streamer.sessions.errors import EngineError
+from streamer.sessions.futures import settle
 
 from .encoder import Frame, Observation, VisionEncoder
 from .errors import MediaDecodeError, MediaError, MediaHeaderInvalid, MediaTooLarge
@@ -85,7 +86,8 @@ class VideoIngest:
     """
 
     def __init__(self, engine, session_id: str, encoder: VisionEncoder, emit: Emit,
-                 config: VideoConfig | None = None, run: Callable[[Callable[[], None]], object] | None = None) -> None:
+                 config: VideoConfig | None = None, run: Callable[[Callable[[], None]], object] | None = None,
+                 later: Callable[[float, Callable[[], None]], None] | None = None) -> None:
         self.engine = engine
         self.session_id = session_id
         self.encoder = encoder
@@ -108,31 +110,49 @@ class VideoIngest:
         self._busy = False  # a frame is being encoded, or its observations are not all in the cache yet
         self._inflight = 0  # observations handed to the engine, not yet in its cache
         self._closed = False
+        self._tail: Future | None = None  # the last piece taken: the next starts when it is done
+        self._live = True  # the live flag of the piece being decoded
+        self._later = later  # (seconds, fn): fn later on some thread; watches decoders for stalls
 
-    # ---- feeder side (a worker thread of the caller; one piece at a time) ---------------------
+    # ---- feeder side (the caller's thread: the event loop; pieces in order, none waits) ------
 
     def feed(self, kind: str, fmt: str, payload: bytes, seq: int, ts: float, end: bool = False,
-             live: bool = True) -> dict:
-        """Take one media frame's payload; return the stream's counters (for `input.ack`)."""
-        self._check_header(kind, fmt, seq)
+             live: bool = True) -> Future:
+        """Take one media frame's payload without waiting: a future of the stream's counters
+        (for `input.ack`), resolved once the piece's frames are taken. Each piece starts when
+        the one before it is done (at once when it is), on the thread that finished that one: a
+        container's bytes go straight into its decoder's pipe, a picture is decoded on `run`."""
+        out: Future = Future()
+        prev, self._tail = self._tail, out
+        if prev is None:
+            self._start(out, kind, fmt, payload, seq, ts, end, live)
+        else:
+            prev.add_done_callback(lambda _: self._start(out, kind, fmt, payload, seq, ts, end, live))
+        return out
+
+    def _start(self, out: Future, kind: str, fmt: str, payload: bytes, seq: int, ts: float, end: bool,
+               live: bool) -> None:
+        try:
+            self._check_header(kind, fmt, seq)
+        except MediaError as exc:
+            settle(out, exc=exc)
+            return
         self.last_seq = seq
         self.stats.pieces += 1
         self.stats.bytes += len(payload)
         if self.ts0 is None:
             self.ts0 = ts
+        self._live = live
         try:
             if kind == "image":
-                frames = [decode_image(fmt, payload, ts, self._images, self.config.decode)] if payload else []
-                for f in frames:
-                    f.pts = ts - self.ts0
-                self._images += len(frames)
+                self._run(lambda: self._image(out, fmt, payload, ts))
             else:
-                frames = self._decode(fmt, payload, ts, end)
-        except MediaError:
+                self._write(out, fmt, payload, ts, end)
+        except MediaError as exc:
             self.stats.errors += 1
-            raise
-        self._offer(frames, live)
-        return self.stats.public()
+            settle(out, exc=exc)
+        except Exception as exc:  # the stream's thread is gone (closing), or a bug: the piece fails
+            settle(out, exc=exc)
 
     def _check_header(self, kind: str, fmt: str, seq: int) -> None:
         if self._closed:
@@ -143,25 +163,76 @@ class VideoIngest:
             raise MediaHeaderInvalid(f"a {self.fmt} video stream is open on session {self.session_id}; "
                                      f"got {kind}/{fmt} (send 'end' on the open stream first)")
 
-    def _decode(self, fmt: str, payload: bytes, ts: float, end: bool) -> list[Frame]:
+    def _image(self, out: Future, fmt: str, payload: bytes, ts: float) -> None:
+        """One picture (on `run`, the stream's thread): decoded, then offered like a frame."""
+        try:
+            frames = [decode_image(fmt, payload, ts, self._images, self.config.decode)] if payload else []
+        except MediaError as exc:
+            self.stats.errors += 1
+            settle(out, exc=exc)
+            return
+        for f in frames:
+            f.pts = ts - self.ts0
+        self._images += len(frames)
+        try:
+            self._offer(frames, self._live)
+        except Exception as exc:
+            settle(out, exc=exc)
+            return
+        settle(out, self.stats.public())
+
+    def _write(self, out: Future, fmt: str, payload: bytes, ts: float, end: bool) -> None:
+        """A container's piece into its decoder's pipe. The decoder's thread hands each frame to
+        `_decoded` as it comes out, then calls `_used` once the piece is used up."""
         if self.decoder is None:
-            self.decoder, self.fmt = VideoDecoder(fmt, ts, self.config.decode), fmt
+            self.decoder = VideoDecoder(fmt, ts, self.config.decode, on_frame=self._decoded)
+            self.fmt = fmt
             self._offset = ts - self.ts0
         decoder = self.decoder
-        frames = decoder.feed(payload) if payload else []
+
+        def used() -> None:
+            self._used(out, decoder, end)
+
         if end:
-            frames += decoder.finish()
-        self.stats.decoded = self.stats.decoded + len(frames)
-        for f in frames:
-            f.pts += self._offset
+            decoder.end(payload, used)
+        elif payload:
+            decoder.write(payload, used)
+        else:
+            used()
+            return
+        if self._later is not None:
+            self._later(self.config.decode.stall_s, lambda: self._watch(out, decoder))
+
+    def _decoded(self, frame: Frame) -> None:
+        """One decoded frame (on the decoder's thread): on the session's clock, then offered."""
+        frame.pts += self._offset
+        self.stats.decoded += 1
+        self._offer([frame], self._live)
+
+    def _used(self, out: Future, decoder: VideoDecoder, end: bool) -> None:
+        """The decoder used the piece up (its frames were offered), finished, or failed."""
         if end or decoder.failed:
-            self.decoder, self.fmt = None, None
+            if self.decoder is decoder:
+                self.decoder, self.fmt = None, None
             if decoder.failed:
                 decoder.close()
-                self._offer(frames, True)  # what decoded before the failure still counts
-                frames = []
-                decoder.check()
-        return frames
+                self.stats.errors += 1
+                try:
+                    decoder.check()
+                except MediaError as exc:
+                    settle(out, exc=exc)
+                    return
+        settle(out, self.stats.public())
+
+    def _watch(self, out: Future, decoder: VideoDecoder) -> None:
+        """`stall_s` after a piece went in: a decoder that is stuck fails it; else look again."""
+        if out.done():
+            return
+        if decoder.stalled():
+            decoder.fail(MediaDecodeError(f"the {decoder.fmt} decoder stalled for "
+                                          f"{decoder.limits.stall_s:.0f} s"))
+        elif self._later is not None:
+            self._later(self.config.decode.stall_s, lambda: self._watch(out, decoder))
 
     def _offer(self, frames: list[Frame], live: bool) -> None:
         kept = self.sampler.filter(frames)
