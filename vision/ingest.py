@@ -5,16 +5,18 @@
     then= callback (text observations), or the encoder's own hand-off to the engine, whose
     future gets the same callback (VLM: `Observation.pending`)
 
-`feed()` runs on a worker thread of the caller (the media stream's, never the event loop) and
-returns once the piece is decoded. The newest sampled frame is encoded whenever the previous
-one's observations are in the cache, so a slow encoder or a busy engine drops stale frames
-instead of falling ever further behind (`live=True`, the default for cameras); nothing blocks on
-the engine. With `live=False` (a file sent as fast as possible) `feed()` waits for the previous
-frame instead, so no frame is dropped and the sender is slowed down.
+`feed()` runs on the caller's thread (the event loop) and does not wait: a container's piece
+goes straight into its decoder's pipe, and the decoder's thread samples each frame as it comes
+out and encodes the newest one whenever the previous one's observations are in the cache, so a
+slow encoder or a busy engine drops stale frames instead of falling ever further behind
+(`live=True`, the default for cameras); nothing blocks on the engine. The piece's future (its
+`input.ack`) resolves once the decoder has used the piece up. With `live=False` (a file sent as
+fast as possible) the decoder's thread waits for the previous frame instead, so no frame is
+dropped and, as the pieces' futures resolve later, the sender is slowed down.
 
-Events go out through `emit(type, payload)` from the stream's thread or the engine's:
-`media.observation` when an observation is in the cache, `error` for failures (the stream
-resets; the session is kept).
+Events go out through `emit(type, payload)` from the decoder's thread, the stream's or the
+engine's: `media.observation` when an observation is in the cache, `error` for failures (the
+stream resets; the session is kept).
 """
 
 from __future__ import annotations
@@ -74,15 +76,19 @@ class VideoStats:
 class VideoIngest:
     """The video (and still image) input of one session.
 
-    Threads: `feed()` runs on the caller's worker thread (the media stream's), decodes the piece
-    and offers its sampled frames to the newest-frame slot; the newest frame is encoded at once
-    if nothing is in flight, on the same thread. Observations are appended to the session with
-    a `then=` callback (a VLM encoder hands its frame to the engine itself and the same callback
-    goes on its future), so no thread waits on the engine: when the last one is in the cache,
-    the callback (on the thread that resolved it: the event loop once the log has the change)
-    hands the next waiting frame back to `run` (the stream's thread). While appends are in
-    flight, newer frames replace the waiting one: the slot is the one backpressure point.
-    `live=False` waits, on a condition, for the previous frame instead.
+    Threads: `feed()` runs on the caller's thread (the event loop) and chains the piece after
+    the one before it: when that one is done, the piece's bytes go into the open container's
+    decoder pipe (from the thread that finished it: the loop, or the decoder's own), or a
+    picture is decoded on `run` (the stream's thread). The decoder's thread offers each frame
+    it decodes to the newest-frame slot; the newest frame is encoded at once if nothing is in
+    flight, on the same thread. Observations are appended to the session with a `then=`
+    callback (a VLM encoder hands its frame to the engine itself and the same callback goes on
+    its future), so no thread waits on the engine: when the last one is in the cache, the
+    callback (on the thread that resolved it: the event loop once the log has the change)
+    hands the next waiting frame back to where frames come from (`_resume`: the decoder's
+    thread between two reads, or `run` with no container open). While appends are in flight,
+    newer frames replace the waiting one: the slot is the one backpressure point. `live=False`
+    waits, on a condition, for the previous frame instead.
     """
 
     def __init__(self, engine, session_id: str, encoder: VisionEncoder, emit: Emit,
@@ -201,7 +207,7 @@ class VideoIngest:
             used()
             return
         if self._later is not None:
-            self._later(self.config.decode.stall_s, lambda: self._watch(out, decoder))
+            decoder.watch(out.done, self._later)
 
     def _decoded(self, frame: Frame) -> None:
         """One decoded frame (on the decoder's thread): on the session's clock, then offered."""
@@ -224,26 +230,27 @@ class VideoIngest:
                     return
         settle(out, self.stats.public())
 
-    def _watch(self, out: Future, decoder: VideoDecoder) -> None:
-        """`stall_s` after a piece went in: a decoder that is stuck fails it; else look again."""
-        if out.done():
-            return
-        if decoder.stalled():
-            decoder.fail(MediaDecodeError(f"the {decoder.fmt} decoder stalled for "
-                                          f"{decoder.limits.stall_s:.0f} s"))
-        elif self._later is not None:
-            self._later(self.config.decode.stall_s, lambda: self._watch(out, decoder))
-
     def _offer(self, frames: list[Frame], live: bool) -> None:
         kept = self.sampler.filter(frames)
         s = self.sampler.stats
         self.stats.sampled, self.stats.duplicates = s.sampled, s.duplicates
         for frame in kept:
             if not live:
-                self.wait_idle()
+                self._wait_turn()
             self.slot.put(frame)
             self._pump()  # an idle encoder takes each frame now: only a busy one lets the next replace it
         self.stats.dropped = self.slot.dropped
+
+    def _wait_turn(self) -> None:
+        """`live=False`: wait until the previous frame is in the cache; a frame left waiting by
+        an earlier live piece is encoded here first (the hand-back of `_resume` may be queued
+        behind this very wait, on this thread)."""
+        while True:
+            with self._idle:
+                self._idle.wait_for(lambda: not self._busy)
+                if not self.slot.pending:
+                    return
+            self._pump()
 
     # ---- encoding (one frame at a time, on whichever thread finds the encoder free) ------------
 
@@ -322,10 +329,18 @@ class VideoIngest:
             self._idle.notify_all()
             more = self.slot.pending and not self._closed
         if more:
-            try:
-                self._run(self._pump)
-            except RuntimeError:  # the stream's thread is shutting down
-                pass
+            self._resume(self._pump)
+
+    def _resume(self, fn: Callable[[], None]) -> None:
+        """Run `fn` where the frames come from: the open container's decoder thread (between two
+        reads), or, with none open, `run` (the stream's thread)."""
+        decoder = self.decoder
+        if decoder is not None and decoder.call(fn):
+            return
+        try:
+            self._run(fn)
+        except RuntimeError:  # the stream's thread is shutting down
+            pass
 
     def _observed(self, obs: Observation, payload: dict) -> None:
         self.stats.tokens += obs.tokens

@@ -112,6 +112,7 @@ class BytePipe:
         self._base = 0  # stream offset of _buf[0]
         self._drained: list[Callable[[], None]] = []  # write callbacks: run when the reader is next hungry
         self._stops: list[Callable[[], None]] = []  # close_input callbacks: run when the reader stops
+        self._calls: list[Callable[[], None]] = []  # work for the reader's thread (`call`)
         self.total = 0
 
     def _update_ready(self) -> None:
@@ -151,17 +152,37 @@ class BytePipe:
             then()
 
     def stop(self) -> None:
-        """The reader is done (finished or failed): writers stop waiting on it."""
+        """The reader is done (finished or failed): writers stop waiting on it, and what was
+        handed to it with `call` runs now (here)."""
         with self._cond:
             self._stopped = True
-            waiting, self._drained, self._stops = self._drained + self._stops, [], []
+            waiting = self._calls + self._drained + self._stops
+            self._calls, self._drained, self._stops = [], [], []
             self._cond.notify_all()
         for then in waiting:
             then()
 
+    def call(self, fn: Callable[[], None]) -> bool:
+        """Have the reader's thread run `fn` at its next read (at once if it is waiting for
+        bytes); False if the reader has stopped (then `fn` is not taken)."""
+        with self._cond:
+            if self._stopped:
+                return False
+            self._calls.append(fn)
+            self._cond.notify_all()
+            return True
+
     def read(self, n: int = -1) -> bytes:
         while True:
             with self._cond:
+                calls, self._calls = self._calls, []
+                if calls:
+                    self._hungry = False  # busy with them, not waiting for bytes
+            for fn in calls:  # outside the lock: work handed to this thread (see `call`)
+                fn()
+            with self._cond:
+                if self._calls:
+                    continue
                 if self._ready or self._eof:
                     self._hungry = False
                     n = self._ready if n is None or n < 0 else min(n, self._ready)
@@ -255,11 +276,28 @@ class VideoDecoder:
             self.pipe.write(data)
         self.pipe.close_input(then)
 
+    def call(self, fn: Callable[[], None]) -> bool:
+        """Run `fn` on the decoder's thread, between two reads; False if it has stopped."""
+        return self.pipe.call(fn)
+
     def stalled(self) -> bool:
         """The decoder neither asked for bytes nor handed on a frame for `stall_s`, and has not
         finished."""
         return (not self._done.is_set() and not self._in_frame and not self.pipe.hungry
                 and time.monotonic() - self._progress > self.limits.stall_s)
+
+    def watch(self, settled: Callable[[], bool], later: Callable[[float, Callable[[], None]], None]) -> None:
+        """Look at the decoder every `stall_s` (through `later(seconds, fn)`) until `settled()`:
+        a stalled one fails (`fail`), so the piece waiting on it gets an error."""
+        def look() -> None:
+            if settled():
+                return
+            if self.stalled():
+                self.fail(MediaDecodeError(f"the {self.fmt} decoder stalled for {self.limits.stall_s:.0f} s"))
+            else:
+                later(self.limits.stall_s, look)
+
+        later(self.limits.stall_s, look)
 
     def fail(self, exc: MediaError) -> None:
         """Give up on a stalled decoder: its pending `then` callbacks run now, and see `exc`."""
