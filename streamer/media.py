@@ -1,11 +1,13 @@
 """Media input at the edge: binary frames of one connection -> per-session media streams.
 
 Each session has at most one video stream (containers and still images share it, so the
-describer compares consecutive pictures) and one audio stream. A stream's pieces are handled
-in order on a thread of its own (decoding never runs on the event loop); the receive loop only
-waits when a stream has `max_backlog` pieces queued, which pushes back on a sender that is
-faster than decoding. PyAV and the ASR packages are optional (`media` extra) and imported only
-when the first media frame arrives; without them a media frame gets `unsupported_media`.
+describer compares consecutive pictures) and one audio stream. Decoding never runs on the event
+loop: a container's piece goes from the loop straight into its decoder's pipe (the decoder's
+thread decodes, samples and encodes), a picture and an audio piece go to the stream's own
+thread; a stream's pieces are taken in order. The receive loop only waits when a stream has
+`max_backlog` pieces not yet taken, which pushes back on a sender that is faster than decoding.
+PyAV and the ASR packages are optional (`media` extra) and imported only when the first media
+frame arrives; without them a media frame gets `unsupported_media`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class MediaConfig:
 
 
 class MediaStream:
-    """One session's video or audio input and the single thread that feeds it in order."""
+    """One session's video or audio input and its own thread (audio pieces, pictures, the
+    newest frame when no container is open, closing)."""
 
     def __init__(self, name: str) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -98,14 +101,15 @@ class MediaHub:
         return cls(LoggedEngine(engine, events, peer.loop), config, send_event, send_error)
 
     def submit(self, cmd: Command, loop: asyncio.AbstractEventLoop, on_done: Callable[[dict], None]) -> None:
-        """Queue a media frame on its stream; `on_done(counters)` runs on the loop when it is in."""
+        """Queue a media frame on its stream; `on_done(counters)` runs on the loop when it is in
+        (a video piece: once its decoder has used it up)."""
         sid, kind = cmd.session_id, cmd["kind"]
         group = "audio" if kind == "audio" else "video"
         stream = self.streams.get((sid, group))
         if stream is None:
             stream = MediaStream(f"{group}-{sid}")
             try:
-                stream.ingest = self._open(sid, group, stream)
+                stream.ingest = self._open(sid, group, stream, loop)
             except (EngineError, ImportError) as exc:
                 stream.close()
                 if isinstance(exc, ImportError):  # the media extra is not installed
@@ -120,10 +124,11 @@ class MediaHub:
         if group == "audio":
             job = lambda: stream.ingest.feed(fields["format"], fields["payload"], fields["seq"], fields["ts"],  # noqa: E731
                                              fields.get("sample_rate"), fields.get("channels"), bool(fields.get("end")))
-        else:
-            job = lambda: stream.ingest.feed(kind, fields["format"], fields["payload"], fields["seq"],  # noqa: E731
-                                             fields["ts"], bool(fields.get("end")), fields.get("live", True))
-        fut = asyncio.wrap_future(stream.executor.submit(job), loop=loop)
+            taken = stream.executor.submit(job)
+        else:  # on the loop, without waiting: a container's piece goes straight into its decoder
+            taken = stream.ingest.feed(kind, fields["format"], fields["payload"], fields["seq"], fields["ts"],
+                                       bool(fields.get("end")), fields.get("live", True))
+        fut = asyncio.wrap_future(taken, loop=loop)
         stream.backlog.append(fut)
 
         def done(f: asyncio.Future) -> None:
@@ -151,7 +156,7 @@ class MediaHub:
         while stream is not None and len(stream.backlog) > self.config.max_backlog:
             await asyncio.wait([stream.backlog[0]])
 
-    def _open(self, sid: str, group: str, stream: MediaStream):
+    def _open(self, sid: str, group: str, stream: MediaStream, loop: asyncio.AbstractEventLoop):
         def emit(event: str, payload: dict) -> None:
             if event == "error" and (sid, group) not in self.streams:
                 return  # the session closed behind this work: its failure is expected, not news
@@ -172,8 +177,14 @@ class MediaHub:
                 from streamer.vision.describe import FrameDescriber
 
                 encoder = FrameDescriber()
+            def later(delay: float, fn: Callable[[], None]) -> None:  # from any thread
+                try:
+                    loop.call_soon_threadsafe(loop.call_later, delay, fn)
+                except RuntimeError:  # the loop is gone (server shutting down)
+                    pass
+
             return VideoIngest(self.engine, sid, encoder, emit, self.config.video or VideoConfig(),
-                               run=stream.executor.submit)
+                               run=stream.executor.submit, later=later)
         from streamer.vision.ingest import AudioIngest
 
         return AudioIngest(self.engine, sid, emit, self.config.audio)
@@ -236,7 +247,7 @@ class LoggedEngine:
 
     def append_frame(self, session_id: str, frame, text: str, frame_tokens: int, label: str | None = None,
                      then=None) -> Future:
-        """A frame into a VL session's cache, from a media thread that does not wait: a future
+        """A frame into a VL session's cache, from a media thread (the decoder's) that does not wait: a future
         of the engine's result. The blob is compressed here; on the event loop, in the session's
         log pipeline (its turn, like any change), the blob is stored, then the frame is handed
         to the engine and its `frame` record logged after it. A blob the store does not take in

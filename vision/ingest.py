@@ -5,16 +5,18 @@
     then= callback (text observations), or the encoder's own hand-off to the engine, whose
     future gets the same callback (VLM: `Observation.pending`)
 
-`feed()` runs on a worker thread of the caller (the media stream's, never the event loop) and
-returns once the piece is decoded. The newest sampled frame is encoded whenever the previous
-one's observations are in the cache, so a slow encoder or a busy engine drops stale frames
-instead of falling ever further behind (`live=True`, the default for cameras); nothing blocks on
-the engine. With `live=False` (a file sent as fast as possible) `feed()` waits for the previous
-frame instead, so no frame is dropped and the sender is slowed down.
+`feed()` runs on the caller's thread (the event loop) and does not wait: a container's piece
+goes straight into its decoder's pipe, and the decoder's thread samples each frame as it comes
+out and encodes the newest one whenever the previous one's observations are in the cache, so a
+slow encoder or a busy engine drops stale frames instead of falling ever further behind
+(`live=True`, the default for cameras); nothing blocks on the engine. The piece's future (its
+`input.ack`) resolves once the decoder has used the piece up. With `live=False` (a file sent as
+fast as possible) the decoder's thread waits for the previous frame instead, so no frame is
+dropped and, as the pieces' futures resolve later, the sender is slowed down.
 
-Events go out through `emit(type, payload)` from the stream's thread or the engine's:
-`media.observation` when an observation is in the cache, `error` for failures (the stream
-resets; the session is kept).
+Events go out through `emit(type, payload)` from the decoder's thread, the stream's or the
+engine's: `media.observation` when an observation is in the cache, `error` for failures (the
+stream resets; the session is kept).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from streamer.sessions.errors import EngineError
+from streamer.sessions.futures import settle
 
 from .encoder import Frame, Observation, VisionEncoder
 from .errors import MediaDecodeError, MediaError, MediaHeaderInvalid, MediaTooLarge
@@ -73,19 +76,24 @@ class VideoStats:
 class VideoIngest:
     """The video (and still image) input of one session.
 
-    Threads: `feed()` runs on the caller's worker thread (the media stream's), decodes the piece
-    and offers its sampled frames to the newest-frame slot; the newest frame is encoded at once
-    if nothing is in flight, on the same thread. Observations are appended to the session with
-    a `then=` callback (a VLM encoder hands its frame to the engine itself and the same callback
-    goes on its future), so no thread waits on the engine: when the last one is in the cache,
-    the callback (on the thread that resolved it: the event loop once the log has the change)
-    hands the next waiting frame back to `run` (the stream's thread). While appends are in
-    flight, newer frames replace the waiting one: the slot is the one backpressure point.
-    `live=False` waits, on a condition, for the previous frame instead.
+    Threads: `feed()` runs on the caller's thread (the event loop) and chains the piece after
+    the one before it: when that one is done, the piece's bytes go into the open container's
+    decoder pipe (from the thread that finished it: the loop, or the decoder's own), or a
+    picture is decoded on `run` (the stream's thread). The decoder's thread offers each frame
+    it decodes to the newest-frame slot; the newest frame is encoded at once if nothing is in
+    flight, on the same thread. Observations are appended to the session with a `then=`
+    callback (a VLM encoder hands its frame to the engine itself and the same callback goes on
+    its future), so no thread waits on the engine: when the last one is in the cache, the
+    callback (on the thread that resolved it: the event loop once the log has the change)
+    hands the next waiting frame back to where frames come from (`_resume`: the decoder's
+    thread between two reads, or `run` with no container open). While appends are in flight,
+    newer frames replace the waiting one: the slot is the one backpressure point. `live=False`
+    waits, on a condition, for the previous frame instead.
     """
 
     def __init__(self, engine, session_id: str, encoder: VisionEncoder, emit: Emit,
-                 config: VideoConfig | None = None, run: Callable[[Callable[[], None]], object] | None = None) -> None:
+                 config: VideoConfig | None = None, run: Callable[[Callable[[], None]], object] | None = None,
+                 later: Callable[[float, Callable[[], None]], None] | None = None) -> None:
         self.engine = engine
         self.session_id = session_id
         self.encoder = encoder
@@ -108,31 +116,49 @@ class VideoIngest:
         self._busy = False  # a frame is being encoded, or its observations are not all in the cache yet
         self._inflight = 0  # observations handed to the engine, not yet in its cache
         self._closed = False
+        self._tail: Future | None = None  # the last piece taken: the next starts when it is done
+        self._live = True  # the live flag of the piece being decoded
+        self._later = later  # (seconds, fn): fn later on some thread; watches decoders for stalls
 
-    # ---- feeder side (a worker thread of the caller; one piece at a time) ---------------------
+    # ---- feeder side (the caller's thread: the event loop; pieces in order, none waits) ------
 
     def feed(self, kind: str, fmt: str, payload: bytes, seq: int, ts: float, end: bool = False,
-             live: bool = True) -> dict:
-        """Take one media frame's payload; return the stream's counters (for `input.ack`)."""
-        self._check_header(kind, fmt, seq)
+             live: bool = True) -> Future:
+        """Take one media frame's payload without waiting: a future of the stream's counters
+        (for `input.ack`), resolved once the piece's frames are taken. Each piece starts when
+        the one before it is done (at once when it is), on the thread that finished that one: a
+        container's bytes go straight into its decoder's pipe, a picture is decoded on `run`."""
+        out: Future = Future()
+        prev, self._tail = self._tail, out
+        if prev is None:
+            self._start(out, kind, fmt, payload, seq, ts, end, live)
+        else:
+            prev.add_done_callback(lambda _: self._start(out, kind, fmt, payload, seq, ts, end, live))
+        return out
+
+    def _start(self, out: Future, kind: str, fmt: str, payload: bytes, seq: int, ts: float, end: bool,
+               live: bool) -> None:
+        try:
+            self._check_header(kind, fmt, seq)
+        except MediaError as exc:
+            settle(out, exc=exc)
+            return
         self.last_seq = seq
         self.stats.pieces += 1
         self.stats.bytes += len(payload)
         if self.ts0 is None:
             self.ts0 = ts
+        self._live = live
         try:
             if kind == "image":
-                frames = [decode_image(fmt, payload, ts, self._images, self.config.decode)] if payload else []
-                for f in frames:
-                    f.pts = ts - self.ts0
-                self._images += len(frames)
+                self._run(lambda: self._image(out, fmt, payload, ts))
             else:
-                frames = self._decode(fmt, payload, ts, end)
-        except MediaError:
+                self._write(out, fmt, payload, ts, end)
+        except MediaError as exc:
             self.stats.errors += 1
-            raise
-        self._offer(frames, live)
-        return self.stats.public()
+            settle(out, exc=exc)
+        except Exception as exc:  # the stream's thread is gone (closing), or a bug: the piece fails
+            settle(out, exc=exc)
 
     def _check_header(self, kind: str, fmt: str, seq: int) -> None:
         if self._closed:
@@ -143,25 +169,66 @@ class VideoIngest:
             raise MediaHeaderInvalid(f"a {self.fmt} video stream is open on session {self.session_id}; "
                                      f"got {kind}/{fmt} (send 'end' on the open stream first)")
 
-    def _decode(self, fmt: str, payload: bytes, ts: float, end: bool) -> list[Frame]:
+    def _image(self, out: Future, fmt: str, payload: bytes, ts: float) -> None:
+        """One picture (on `run`, the stream's thread): decoded, then offered like a frame."""
+        try:
+            frames = [decode_image(fmt, payload, ts, self._images, self.config.decode)] if payload else []
+        except MediaError as exc:
+            self.stats.errors += 1
+            settle(out, exc=exc)
+            return
+        for f in frames:
+            f.pts = ts - self.ts0
+        self._images += len(frames)
+        try:
+            self._offer(frames, self._live)
+        except Exception as exc:
+            settle(out, exc=exc)
+            return
+        settle(out, self.stats.public())
+
+    def _write(self, out: Future, fmt: str, payload: bytes, ts: float, end: bool) -> None:
+        """A container's piece into its decoder's pipe. The decoder's thread hands each frame to
+        `_decoded` as it comes out, then calls `_used` once the piece is used up."""
         if self.decoder is None:
-            self.decoder, self.fmt = VideoDecoder(fmt, ts, self.config.decode), fmt
+            self.decoder = VideoDecoder(fmt, ts, self.config.decode, on_frame=self._decoded)
+            self.fmt = fmt
             self._offset = ts - self.ts0
         decoder = self.decoder
-        frames = decoder.feed(payload) if payload else []
+
+        def used() -> None:
+            self._used(out, decoder, end)
+
         if end:
-            frames += decoder.finish()
-        self.stats.decoded = self.stats.decoded + len(frames)
-        for f in frames:
-            f.pts += self._offset
+            decoder.end(payload, used)
+        elif payload:
+            decoder.write(payload, used)
+        else:
+            used()
+            return
+        if self._later is not None:
+            decoder.watch(out.done, self._later)
+
+    def _decoded(self, frame: Frame) -> None:
+        """One decoded frame (on the decoder's thread): on the session's clock, then offered."""
+        frame.pts += self._offset
+        self.stats.decoded += 1
+        self._offer([frame], self._live)
+
+    def _used(self, out: Future, decoder: VideoDecoder, end: bool) -> None:
+        """The decoder used the piece up (its frames were offered), finished, or failed."""
         if end or decoder.failed:
-            self.decoder, self.fmt = None, None
+            if self.decoder is decoder:
+                self.decoder, self.fmt = None, None
             if decoder.failed:
                 decoder.close()
-                self._offer(frames, True)  # what decoded before the failure still counts
-                frames = []
-                decoder.check()
-        return frames
+                self.stats.errors += 1
+                try:
+                    decoder.check()
+                except MediaError as exc:
+                    settle(out, exc=exc)
+                    return
+        settle(out, self.stats.public())
 
     def _offer(self, frames: list[Frame], live: bool) -> None:
         kept = self.sampler.filter(frames)
@@ -169,10 +236,21 @@ class VideoIngest:
         self.stats.sampled, self.stats.duplicates = s.sampled, s.duplicates
         for frame in kept:
             if not live:
-                self.wait_idle()
+                self._wait_turn()
             self.slot.put(frame)
             self._pump()  # an idle encoder takes each frame now: only a busy one lets the next replace it
         self.stats.dropped = self.slot.dropped
+
+    def _wait_turn(self) -> None:
+        """`live=False`: wait until the previous frame is in the cache; a frame left waiting by
+        an earlier live piece is encoded here first (the hand-back of `_resume` may be queued
+        behind this very wait, on this thread)."""
+        while True:
+            with self._idle:
+                self._idle.wait_for(lambda: not self._busy)
+                if not self.slot.pending:
+                    return
+            self._pump()
 
     # ---- encoding (one frame at a time, on whichever thread finds the encoder free) ------------
 
@@ -251,10 +329,18 @@ class VideoIngest:
             self._idle.notify_all()
             more = self.slot.pending and not self._closed
         if more:
-            try:
-                self._run(self._pump)
-            except RuntimeError:  # the stream's thread is shutting down
-                pass
+            self._resume(self._pump)
+
+    def _resume(self, fn: Callable[[], None]) -> None:
+        """Run `fn` where the frames come from: the open container's decoder thread (between two
+        reads), or, with none open, `run` (the stream's thread)."""
+        decoder = self.decoder
+        if decoder is not None and decoder.call(fn):
+            return
+        try:
+            self._run(fn)
+        except RuntimeError:  # the stream's thread is shutting down
+            pass
 
     def _observed(self, obs: Observation, payload: dict) -> None:
         self.stats.tokens += obs.tokens

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,7 +92,9 @@ class BytePipe:
     """Bytes in from `write`, out through a blocking `read` (the demuxer's read callback).
 
     `wait_drained()` returns once the reader has taken every byte it may have and is blocked for
-    more (or has stopped reading for good), so the writer knows the decoder has caught up.
+    more (or has stopped reading for good), so the writer knows the decoder has caught up; a
+    writer that must not block passes `then=` to `write` instead, and the reader's thread calls
+    it at that same moment.
 
     With `whole_boxes` (MP4), boxes the demuxer parses are handed over only when complete:
     FFmpeg's MP4 demuxer on a non-seekable stream seeks back inside the atom it is parsing,
@@ -107,6 +110,9 @@ class BytePipe:
         self._boxes = Mp4Boxes() if whole_boxes else None
         self._ready = 0  # bytes at the front of _buf the reader may have
         self._base = 0  # stream offset of _buf[0]
+        self._drained: list[Callable[[], None]] = []  # write callbacks: run when the reader is next hungry
+        self._stops: list[Callable[[], None]] = []  # close_input callbacks: run when the reader stops
+        self._calls: list[Callable[[], None]] = []  # work for the reader's thread (`call`)
         self.total = 0
 
     def _update_ready(self) -> None:
@@ -115,7 +121,10 @@ class BytePipe:
         else:
             self._ready = self._boxes.update(self._buf, self._base) - self._base
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, then: Callable[[], None] | None = None) -> None:
+        """Add bytes. `then()`, if given, runs once the reader has used every byte it could
+        (on the reader's thread, as it is about to block for more), or once it has stopped for
+        good (at once, here, when it already has)."""
         with self._cond:
             if self._eof:
                 raise MediaDecodeError("media stream already ended")
@@ -123,33 +132,79 @@ class BytePipe:
             self.total += len(data)
             self._update_ready()
             self._hungry = False
+            now = then is not None and self._stopped
+            if then is not None and not now:
+                self._drained.append(then)
             self._cond.notify_all()
+        if now:
+            then()
 
-    def close_input(self) -> None:
+    def close_input(self, then: Callable[[], None] | None = None) -> None:
+        """No more bytes. `then()`, if given, runs once the reader has stopped for good."""
         with self._cond:
             self._eof = True
             self._update_ready()
+            now = then is not None and self._stopped
+            if then is not None and not now:
+                self._stops.append(then)
             self._cond.notify_all()
+        if now:
+            then()
 
     def stop(self) -> None:
-        """The reader is done (finished or failed): writers stop waiting on it."""
+        """The reader is done (finished or failed): writers stop waiting on it, and what was
+        handed to it with `call` runs now (here)."""
         with self._cond:
             self._stopped = True
+            waiting = self._calls + self._drained + self._stops
+            self._calls, self._drained, self._stops = [], [], []
             self._cond.notify_all()
+        for then in waiting:
+            then()
+
+    def call(self, fn: Callable[[], None]) -> bool:
+        """Have the reader's thread run `fn` at its next read (at once if it is waiting for
+        bytes); False if the reader has stopped (then `fn` is not taken)."""
+        with self._cond:
+            if self._stopped:
+                return False
+            self._calls.append(fn)
+            self._cond.notify_all()
+            return True
 
     def read(self, n: int = -1) -> bytes:
+        while True:
+            with self._cond:
+                calls, self._calls = self._calls, []
+                if calls:
+                    self._hungry = False  # busy with them, not waiting for bytes
+            for fn in calls:  # outside the lock: work handed to this thread (see `call`)
+                fn()
+            with self._cond:
+                if self._calls:
+                    continue
+                if self._ready or self._eof:
+                    self._hungry = False
+                    n = self._ready if n is None or n < 0 else min(n, self._ready)
+                    out = bytes(self._buf[:n])
+                    del self._buf[:n]
+                    self._ready -= n
+                    self._base += n
+                    return out
+                drained, self._drained = self._drained, []
+                if not drained:
+                    self._hungry = True
+                    self._cond.notify_all()
+                    self._cond.wait()
+                    continue
+            for then in drained:  # outside the lock: a callback may write the next piece
+                then()
+
+    @property
+    def hungry(self) -> bool:
+        """The reader is blocked waiting for bytes."""
         with self._cond:
-            while not self._ready and not self._eof:
-                self._hungry = True
-                self._cond.notify_all()
-                self._cond.wait()
-            self._hungry = False
-            n = self._ready if n is None or n < 0 else min(n, self._ready)
-            out = bytes(self._buf[:n])
-            del self._buf[:n]
-            self._ready -= n
-            self._base += n
-            return out
+            return self._hungry
 
     def wait_drained(self, timeout: float) -> bool:
         with self._cond:
@@ -167,9 +222,15 @@ class DecodeLimits:
 
 
 class VideoDecoder:
-    """One container byte stream -> frames, incrementally. Not thread-safe: one feeder."""
+    """One container byte stream -> frames, incrementally. Not thread-safe: one feeder.
 
-    def __init__(self, fmt: str, ts0: float = 0.0, limits: DecodeLimits | None = None) -> None:
+    Two ways to use it: `feed()` pushes a piece and waits for the frames it completed; or, with
+    `on_frame`, each frame goes to `on_frame(frame)` on the decoder's thread as it is decoded,
+    and `write(piece, then)` / `end(then)` never wait: `then()` runs on the decoder's thread once
+    the piece is used up (the piece's frames have all been handed on)."""
+
+    def __init__(self, fmt: str, ts0: float = 0.0, limits: DecodeLimits | None = None,
+                 on_frame: Callable[[Frame], None] | None = None) -> None:
         if fmt not in CONTAINERS:
             raise UnsupportedMedia(f"video container {fmt!r} is not supported ({', '.join(CONTAINERS)})")
         self.av = require_av()
@@ -183,6 +244,9 @@ class VideoDecoder:
         self._error: MediaError | None = None
         self._pts0: float | None = None
         self._done = threading.Event()
+        self.on_frame = on_frame
+        self._progress = time.monotonic()  # when the decoder last asked for bytes or handed on a frame
+        self._in_frame = False  # on_frame is running (it may wait on purpose: not a stall)
         self._thread = threading.Thread(target=self._run, name=f"demux-{fmt}", daemon=True)
         self._thread.start()
 
@@ -197,6 +261,49 @@ class VideoDecoder:
             self.close()
             self._error = MediaDecodeError(f"the {self.fmt} decoder stalled for {self.limits.stall_s:.0f} s")
         return self._take()
+
+    def write(self, data: bytes, then: Callable[[], None]) -> None:
+        """Push a piece without waiting; `then()` runs once the decoder has used it (see the
+        class); a failure is raised by `check()` then."""
+        self._progress = time.monotonic()
+        self.pipe.write(data, then)
+
+    def end(self, data: bytes, then: Callable[[], None]) -> None:
+        """Push the last piece and end the stream without waiting; `then()` runs once the
+        decoder has finished (its last frames handed on)."""
+        self._progress = time.monotonic()
+        if data:
+            self.pipe.write(data)
+        self.pipe.close_input(then)
+
+    def call(self, fn: Callable[[], None]) -> bool:
+        """Run `fn` on the decoder's thread, between two reads; False if it has stopped."""
+        return self.pipe.call(fn)
+
+    def stalled(self) -> bool:
+        """The decoder neither asked for bytes nor handed on a frame for `stall_s`, and has not
+        finished."""
+        return (not self._done.is_set() and not self._in_frame and not self.pipe.hungry
+                and time.monotonic() - self._progress > self.limits.stall_s)
+
+    def watch(self, settled: Callable[[], bool], later: Callable[[float, Callable[[], None]], None]) -> None:
+        """Look at the decoder every `stall_s` (through `later(seconds, fn)`) until `settled()`:
+        a stalled one fails (`fail`), so the piece waiting on it gets an error."""
+        def look() -> None:
+            if settled():
+                return
+            if self.stalled():
+                self.fail(MediaDecodeError(f"the {self.fmt} decoder stalled for {self.limits.stall_s:.0f} s"))
+            else:
+                later(self.limits.stall_s, look)
+
+        later(self.limits.stall_s, look)
+
+    def fail(self, exc: MediaError) -> None:
+        """Give up on a stalled decoder: its pending `then` callbacks run now, and see `exc`."""
+        self._error = exc
+        self.pipe.close_input()
+        self.pipe.stop()
 
     def finish(self) -> list[Frame]:
         """No more bytes: flush the decoder; return the last frames (then `check()`)."""
@@ -267,8 +374,16 @@ class VideoDecoder:
         pts = max(0.0, t - self._pts0)
         out = Frame(to_rgb(frame, self.limits.max_side), pts, self.ts0 + pts, self.decoded)
         self.decoded += 1
-        with self._lock:
-            self._out.append(out)
+        if self.on_frame is None:
+            with self._lock:
+                self._out.append(out)
+            return
+        self._in_frame = True
+        try:
+            self.on_frame(out)
+        finally:
+            self._in_frame = False
+            self._progress = time.monotonic()
 
 
 def to_rgb(frame, max_side: int) -> np.ndarray:

@@ -4,7 +4,7 @@ models (a tiny seeded random one for tests and benchmarks, checkpoints by id or 
 The engine runs the VLM like any model (sessions/multimodal.py: input embeddings, 3-D M-RoPE
 positions, frames as prefill jobs in the shared pool, windows re-anchored by rotation). This
 module turns a media stream's sampled frames into those inputs: each frame is resized to fit a
-visual-token budget and cut into the model's patches on the stream's thread (`vlm_patches.py`:
+visual-token budget and cut into the model's patches on the thread that decoded it (`vlm_patches.py`:
 numpy/torch, since transformers' fast image processor needs torchvision, which does not import
 beside this torch build) and handed to the engine, preceded by its media time as text
 (`[12.5s] `): the model's positions order frames but carry no clock. The vision tower runs on
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 class EngineFrameEncoder(VisionEncoder):
     """The video path of a session on an engine whose model is a VLM: each frame is patched on
-    the stream's thread and handed on to the engine (`append_frame`: a job that runs the vision
+    the thread that encodes it (the decoder's) and handed on to the engine (`append_frame`: a job that runs the vision
     tower on the engine thread, batched with other sessions' frames, then reads the embeddings
     into the session's own reading cache), preceded by its media time as text (`[12.5s] `).
     `encode` does not wait for the engine: each observation carries the engine's future

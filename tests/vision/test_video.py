@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 
 import numpy as np
 import pytest
@@ -64,6 +65,61 @@ def test_random_pieces_give_the_whole_file_result(video, seed):
     assert [f.pts for f in pieces] == [f.pts for f in whole]
     assert all(np.array_equal(a.image, b.image) for a, b in zip(pieces, whole))
     assert [o.text for o in describe(pieces)] == [o.text for o in describe(whole)]
+
+
+def write_pieces(fmt: str, data: bytes, rng: random.Random, max_piece: int):
+    """The non-blocking path: each piece is written when the decoder has used the one before
+    (from `then`, on the decoder's thread), frames come out through `on_frame`; per piece, the
+    frames it completed and the thread its `then` ran on."""
+    import threading
+
+    frames, per_piece, done = [], [], threading.Event()
+    cuts = [0]
+    while cuts[-1] < len(data):
+        cuts.append(min(len(data), cuts[-1] + rng.randint(1, max_piece)))
+    decoder = VideoDecoder(fmt, on_frame=frames.append)
+
+    def piece(k: int) -> None:
+        if k:
+            per_piece.append((len(frames), threading.current_thread().name))
+        if k == len(cuts) - 1:
+            decoder.end(b"", lambda: (per_piece.append((len(frames), threading.current_thread().name)), done.set()))
+        else:
+            decoder.write(data[cuts[k]:cuts[k + 1]], lambda: piece(k + 1))
+
+    piece(0)
+    assert done.wait(60), "the decoder did not finish"
+    decoder.check()
+    return frames, per_piece
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_written_pieces_give_the_frames_fed_pieces_give(video, seed):
+    fmt, data = video
+    whole = decode_pieces(fmt, data)
+    frames, per_piece = write_pieces(fmt, data, random.Random(seed), max_piece=700 if fmt != "mpegts" else 4000)
+    assert [f.pts for f in frames] == [f.pts for f in whole]
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(frames, whole))
+    counts = [n for n, _ in per_piece]
+    assert counts == sorted(counts) and counts[-1] == len(whole)
+    assert {name for _, name in per_piece} == {f"demux-{fmt}"}  # no other thread waited for a piece
+
+
+def test_work_handed_to_the_decoder_runs_on_its_thread_and_at_its_stop():
+    import threading
+
+    data = encode_video("mpegts", seconds=1.0)
+    decoder = VideoDecoder("mpegts", on_frame=lambda f: None)
+    used, ran = threading.Event(), []
+    decoder.write(data[:1000], used.set)
+    assert used.wait(30)
+    assert decoder.call(lambda: ran.append(threading.current_thread().name))  # the decoder waits for bytes
+    stopped = threading.Event()
+    decoder.end(data[1000:], stopped.set)
+    assert stopped.wait(30)
+    assert ran == ["demux-mpegts"]
+    assert not decoder.call(lambda: ran.append("late"))  # stopped: not taken
+    assert ran == ["demux-mpegts"]
 
 
 def test_frames_arrive_while_the_stream_is_still_coming():
@@ -219,3 +275,32 @@ def test_any_single_cut_decodes_every_frame(fmt):
         frames = decoder.feed(data[:cut]) + decoder.feed(data[cut:]) + decoder.finish()
         decoder.check()
         assert len(frames) == 60, (fmt, cut, len(frames))
+
+
+def test_a_watched_decoder_that_stalls_fails_its_piece():
+    import threading
+
+    decoder = VideoDecoder("mpegts", limits=DecodeLimits(stall_s=0.05), on_frame=lambda f: None)
+    data = encode_video("mpegts", seconds=1.0)
+    used = threading.Event()
+    decoder.write(data[:1000], used.set)
+    assert used.wait(30)
+    time.sleep(0.1)
+    assert not decoder.stalled()  # it waits for bytes: not a stall
+    gate = threading.Event()
+    assert decoder.call(gate.wait)  # the decoder's thread is stuck, as one inside FFmpeg would be
+    failed, looks = threading.Event(), []
+
+    def later(seconds, fn):
+        looks.append(seconds)
+        threading.Timer(seconds, fn).start()
+
+    try:
+        decoder.write(data[1000:2000], failed.set)
+        decoder.watch(failed.is_set, later)
+        assert failed.wait(30) and looks
+        with pytest.raises(MediaDecodeError, match="stalled"):
+            decoder.check()
+    finally:
+        gate.set()
+        decoder.close()
