@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .gguf_file import GgufError, inspect_gguf, is_gguf_path, open_gguf
+from .gguf_file import GgufError, inspect_gguf, is_gguf_path, open_gguf, shared_reads
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
     log.info("converting the embedded model %s to safetensors (one time, ~30 s) ...", gguf.name)
     started = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with shared_reads():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized now; without this flag save_pretrained would refuse or
     # record a GGUF quantizer that the saved files no longer need.
     model.hf_quantizer = None
@@ -127,10 +128,11 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
     torch_dtype = parse_dtype(dtype)
     started = time.monotonic()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        config = _gguf_config(path, info.architecture)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                     dtype=torch_dtype)
+        with shared_reads():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            config = _gguf_config(path, info.architecture)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                         dtype=torch_dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"{path.name}: transformers cannot load it ({first})") from None
