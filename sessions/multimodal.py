@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from streamer.vision.vlm_patches import PatchSpec, fit_frame, patchify
+
 log = logging.getLogger(__name__)
 
 
@@ -121,7 +123,6 @@ def frame_patches(parts: VLParts, image: np.ndarray, max_tokens: int, label_ids:
     vision tower's patches: a `FrameInput` whose ids, positions and digest are final and whose
     embeddings the tower makes later (`encode_frames`). Reads the model's config only, so any
     thread may call it."""
-    from streamer.vision.vlm_patches import PatchSpec, fit_frame, patchify
 
     spec = PatchSpec.from_config(parts.model.config.vision_config)
     image = fit_frame(image, max_tokens, spec)

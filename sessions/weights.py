@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from streamer.kernels import cpu
+from streamer.kernels.cpu import simd
+
 from .gguf_file import GGUF_LINEARS  # noqa: F401  (GGUF tensor names -> module paths; tests import it here)
+from .gguf_file import QB, Repack, gguf_blocks, inspect_gguf, open_gguf, q4_1_blocks, row_order
+from .native import (FUSED, NativeLinear, cached_pack, install_native, native_unsupported, pack_cache_enabled,
+                     pack_native, quantize_q8_0)
 
 log = logging.getLogger(__name__)
 
@@ -218,13 +224,11 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def dequantize_q4_1_blocks(blocks: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
     """GGUF Q4_1 blocks (uint8 [rows, cols/32 * 20]) -> codes [rows, cols], scale and minimum
     [rows, cols/32] (fp32): sessions/gguf_file.py q4_1_blocks."""
-    from .gguf_file import q4_1_blocks
 
     return q4_1_blocks(blocks.numpy(), rows, cols)
 
 
 def _gguf_row_order(rows: int, heads: int) -> torch.Tensor:
-    from .gguf_file import row_order
 
     return row_order(rows, heads)
 
@@ -233,7 +237,6 @@ def gguf_q4_1_linears(model: nn.Module, gguf_path: Path) -> dict[str, tuple[torc
     """The 4-bit linear weights of a Llama-family GGUF (Q4_1 as they are, Q4_0 and Q4_K repacked
     to Q4_1: sessions/gguf_file.py) as (codes, scale, minimum), keyed by module name, in the
     model's row order."""
-    from .gguf_file import gguf_blocks
 
     blocks, _ = gguf_blocks(model, gguf_path)
     return {name: tuple(b[1:]) for name, b in blocks.items() if b[0] == 4}
@@ -263,7 +266,6 @@ def resolve_format(requested: str, model: nn.Module, device: torch.device | str,
         if not cpu:
             return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp32")
         if gguf_path is not None:
-            from .gguf_file import inspect_gguf
 
             info = inspect_gguf(gguf_path)
             if info.quantized:
@@ -276,7 +278,6 @@ def resolve_format(requested: str, model: nn.Module, device: torch.device | str,
 
 def describe_weights(model: nn.Module, requested: str | None = None) -> WeightsInfo:
     """The format of a model's linear layers as they are (unpacked: named by their dtype)."""
-    from .native import NativeLinear
 
     native = [m for m in model.modules() if isinstance(m, NativeLinear)]
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -293,7 +294,6 @@ def describe_weights(model: nn.Module, requested: str | None = None) -> WeightsI
     nbytes = sum(m.nbytes() for m in packed) + sum(m.weight.numel() * m.weight.element_size() for m in plain)
     kernels = "aten" if packed and fmt != "bf16" else "torch"
     if native:
-        from streamer.kernels.cpu import simd
 
         nbytes += sum(m.nbytes() for m in _fused_matrices(model))
         kernels = f"native ({simd()})"
@@ -325,7 +325,6 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
     if fmt in ("int4", "int8") and native is not False:
         reason = native_unavailable(model)
         if reason is None:
-            from .native import cached_pack, install_native, pack_cache_enabled, pack_native
 
             def pack() -> tuple[dict, str | dict]:
                 blocks, repack = _gguf_native_blocks(model, gguf_path)
@@ -372,7 +371,6 @@ def apply_weights(model: nn.Module, requested: str = "auto", device: torch.devic
 
 def _gguf_native_blocks(model: nn.Module, gguf_path: Path | None) -> tuple[dict, object]:
     """A GGUF's quantized linear blocks in the native formats and what repacking them cost."""
-    from .gguf_file import Repack, gguf_blocks
 
     if gguf_path is None:
         return {}, Repack()
@@ -385,8 +383,6 @@ def _as_packed(model: nn.Module, fmt: str, blocks: dict, repack, gguf_path: Path
     its 4-bit parts are then Q8_0 of their float weights (sessions/native.py `quantize`), not
     Q4_1 nor their own blocks: they are counted as `<type>->Q8_0`, with their requantization
     error in the report's."""
-    from .gguf_file import Repack, open_gguf
-    from .native import FUSED, QB, quantize_q8_0
 
     if not blocks:
         return repack
@@ -420,7 +416,6 @@ def _as_packed(model: nn.Module, fmt: str, blocks: dict, repack, gguf_path: Path
 
 
 def _gguf_source(gguf_path: Path) -> str:
-    from .gguf_file import inspect_gguf
 
     return f"gguf {inspect_gguf(gguf_path).label()}"
 
@@ -435,9 +430,7 @@ def _repack_note(repack: dict | None) -> str:
 
 def native_unavailable(model: nn.Module) -> str | None:
     """Why int8/int4 cannot run on the native stack for this model (None: they can)."""
-    from streamer.kernels import cpu
 
-    from .native import native_unsupported
 
     if next(model.parameters()).device.type != "cpu":
         return "the model is not on the CPU"
