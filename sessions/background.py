@@ -17,6 +17,7 @@ from . import flash, thinking
 
 if TYPE_CHECKING:
     from .engine import EngineCore
+    from .session import Session
 
 KINDS = ("flash", "think")
 
@@ -37,6 +38,11 @@ def start(core: EngineCore) -> None:
                 core.stats.flash_evaluations += 1
             session.idle_turn = "think" if kind == "flash" else "flash"
             break
+
+
+def adopt(session: Session, turn: str) -> None:
+    """A handed-off session's turn between flash and thinking (sessions/handoff.py)."""
+    session.idle_turn = turn
 
 
 def _next(core: EngineCore, session, kind: str):

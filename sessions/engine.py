@@ -381,8 +381,7 @@ class EngineCore:
                 raise InvalidRequest(f"system prompt of {len(session.prefix_ids)} tokens does not fit "
                                      f"the context window of {session.context_window} tokens")
             for item in flash_items or ():
-                q = flash.new_question(self, session, **item)
-                session.flash[q.flash_id] = q
+                flash.add_question(self, session, **item)
             if thinking_settings:
                 thinking.configure(session, thinking.parse_config(thinking_settings))
             if window_settings == "default":

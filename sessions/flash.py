@@ -390,19 +390,20 @@ def register(core: EngineCore, session_id: str, question: str, flash_id: str | N
     data update, and `flash.updated` goes to the session's listeners on a change. `penalties`:
     repetition_penalty, presence_penalty, frequency_penalty, end_bias (sampling.Penalties)."""
     session = core.live(session_id)
-    q = new_question(core, session, question, flash_id, max_tokens, priority, min_interval_s, confirm, **penalties)
-    session.flash[q.flash_id] = q
+    q = add_question(core, session, question, flash_id, max_tokens, priority, min_interval_s, confirm, **penalties)
     return q.state(session.data_version)
 
 
-def new_question(core: EngineCore, session: Session, question: str, flash_id: str | None = None, max_tokens: int = 32,
+def add_question(core: EngineCore, session: Session, question: str, flash_id: str | None = None, max_tokens: int = 32,
                  priority: int = 0, min_interval_s: float = 0.0, confirm: int = 1, **penalties: float) -> FlashQuestion:
+    """A flash question checked against the engine's limits and added to the session."""
     limits = core.limits
     q = validate_registration(session, question, flash_id, max_tokens, priority, min_interval_s,
                               confirm, limits.max_flash_per_session, limits.max_answer_tokens, Penalties(**penalties))
     if len(q.question_ids) > limits.max_question_tokens:
         raise InvalidRequest(f"question of {len(q.question_ids)} tokens exceeds the limit of "
                              f"{limits.max_question_tokens} tokens", code=Code.QUESTION_TOO_LONG)
+    session.flash[q.flash_id] = q
     return q
 
 
@@ -414,15 +415,19 @@ def unregister(core: EngineCore, session_id: str, flash_id: str) -> dict:
     return q.state(session.data_version)
 
 
+def adopt(session: Session, questions: dict, next_id: int) -> None:
+    """A handed-off session's flash questions, as exported (sessions/handoff.py)."""
+    session.flash, session.next_flash_id = questions, next_id
+
+
 def restore(core: EngineCore, session: Session, items: list[dict], next_id: int) -> None:
     """A checkpoint's flash questions, with their answers and marks (sessions/checkpoint.py)."""
     session.next_flash_id = next_id
     session.flash = {}
     for item in items:
         args = {k: v for k, v in item["args"].items() if v is not None}
-        q = new_question(core, session, **args)
+        q = add_question(core, session, **args)
         if item["answer"] is not None:
             q.answer = FlashAnswer(**item["answer"])
         q.candidate, q.candidate_count = item["candidate"], item["candidate_count"]
         q.evaluated_version, q.evaluations, q.stale = item["evaluated_version"], item["evaluations"], item["stale"]
-        session.flash[item["args"]["flash_id"]] = q

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import background, flash, query, thinking, window
 from .errors import Code, EngineError
 from .flash import FlashAnswer, FlashQuestion
 from .kvcache import KVCache
 from .sampling import Penalties
-from .session import Chunk, adopt
+from .session import Chunk, adopt as adopt_log
 from .thinking import ThinkingConfig, ThinkingState, Unit
 from .window import TextWindow
 
@@ -180,7 +181,13 @@ def import_session(core: EngineCore, session_id: str, blob: bytes) -> dict:
     state = {name: _decode(header["state"][name], tensors, core) for name in SESSION_FIELDS}
     _write_cache(session.cache, kv)
     logits = header["logits"]
-    adopt(session, state, None if logits is None else tensors[_index(logits)].to(session.cache.shape.device))
+    # each part of the state into the session through the module that owns it
+    flash.adopt(session, state.pop("flash"), state.pop("next_flash_id"))
+    thinking.adopt(session, state.pop("thinking"))
+    window.adopt(session, state.pop("window"))
+    query.adopt(session, state.pop("queries_answered"))
+    background.adopt(session, state.pop("idle_turn"))
+    adopt_log(session, state, None if logits is None else tensors[_index(logits)].to(session.cache.shape.device))
     return session.state()
 
 

@@ -31,7 +31,7 @@ from .futures import settle
 from .multimodal import encode_frames
 from .room import Room
 from .runner import SeqStep
-from .session import AppendResult, Session, cut_tail, mark_ended, queue_tokens
+from .session import AppendResult, Session, cut_tail, mark_ended, note_segment, queue_tokens
 from .window import check_input, make_room, set_window, take_evicted, unbound
 
 if TYPE_CHECKING:
@@ -494,10 +494,7 @@ class SegmentJob(ReviseJob):
         elif self.tokens:
             self.chunk = s.record(self.text, self.start, self.tokens)
         self.done = True
-        if self.final or self.chunk is None:
-            s.segments.pop(self.segment, None)
-        else:
-            s.segments[self.segment] = self.chunk.seq
+        note_segment(s, self.segment, None if self.final or self.chunk is None else self.chunk.seq)
 
     def result(self) -> AppendResult | None:
         if not self.revising and self.chunk is None:

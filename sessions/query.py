@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+
+def adopt(session: Session, answered: int) -> None:
+    """A handed-off session's count of answered questions (sessions/handoff.py)."""
+    session.queries_answered = answered
+
 class QueryResult:
     session_id: str
     query_id: str

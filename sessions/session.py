@@ -307,6 +307,15 @@ def mark_ended(session: Session) -> None:
     session.ended = True
 
 
+def note_segment(session: Session, segment: str, seq: int | None) -> None:
+    """An audio segment's partial is now input `seq` (it may still be revised); None: the segment
+    is final (or wrote nothing) and is forgotten."""
+    if seq is None:
+        session.segments.pop(segment, None)
+    else:
+        session.segments[segment] = seq
+
+
 def cut_tail(session: Session, first: int, keep: int) -> list[Chunk]:
     """A revise: forget `chunks[first:]` and crop the cache to `keep` tokens; forks reading the
     old tail (flash evaluations) are now stale. Returns the chunks cut."""

@@ -520,6 +520,11 @@ class ThinkJob(Job):
         return True
 
 
+def adopt(session: Session, state: ThinkingState | None) -> None:
+    """A handed-off session's thinking state, its dual cache included (sessions/handoff.py)."""
+    session.thinking = state
+
+
 def restore(session: Session, data: dict | None, think: torch.Tensor | None) -> None:
     """A checkpoint's thinking state and dual notes' K/V (sessions/checkpoint.py)."""
     if data is None:

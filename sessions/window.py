@@ -157,6 +157,11 @@ def set_window(session: Session, max_tokens: int, keep_tokens: int = 0, sink_inp
     return window
 
 
+def adopt(session: Session, window: TextWindow | None) -> None:
+    """A handed-off session's window, counters included (sessions/handoff.py)."""
+    session.window = window
+
+
 def restore(session: Session, settings: dict | None) -> None:
     """A checkpoint's window, counters included (sessions/checkpoint.py)."""
     session.window = TextWindow(**settings) if settings is not None else None
