@@ -2,7 +2,10 @@
 than 20 methods, no mixins, and an engine that never switches on the class of a job."""
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("streamer", "sessions", "kernels", "vision", "clients")
@@ -91,3 +94,237 @@ def test_the_engine_never_switches_on_job_classes():
     offenders = [f"{path}:{node.lineno}: {ast.unparse(node)}"
                  for path, tree in sessions_modules() for node in ast.walk(tree) if switches_on_a_job_class(node)]
     assert not offenders, offenders
+
+
+# The import graph of our modules. A module's name is its import name (`sessions/jobs.py` is
+# `streamer.sessions.jobs`, see pyproject's package-dir); function-level imports count as edges;
+# imports under a module-level `if TYPE_CHECKING:` do not (they never run).
+PACKAGE_OF = {"streamer": "streamer", "sessions": "streamer.sessions", "kernels": "streamer.kernels",
+              "vision": "streamer.vision", "clients": "streamer.clients"}
+
+
+def modules() -> dict[str, Path]:
+    names = {}
+    for folder, package in PACKAGE_OF.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            names[".".join((package, *parts))] = path
+    return names
+
+
+def imports_of(name: str, path: Path, names: dict[str, Path]):
+    """(module of ours it imports, line, inside a function?) for each import statement."""
+    tree = parse(path)
+    skip = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            skip.update(id(n) for n in ast.walk(node))
+    in_function = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            in_function.update(id(n) for n in ast.walk(fn))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")
+                up = up[: len(up) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
+        for target in targets:
+            while target and target not in names:
+                target = target.rpartition(".")[0]
+            if target and target != name and target in names:
+                yield target, node.lineno, id(node) in in_function
+
+
+def import_cycles() -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    names = modules()
+    edges = {m: sorted({t for t, _, _ in imports_of(m, p, names)}) for m, p in names.items()}
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                on.add(v)
+            if i < len(edges[v]):
+                work.append((v, i + 1))
+                w = edges[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_among_our_modules():
+    """Counting the imports inside functions too: a cycle cut only by a function-level import is
+    still a cycle."""
+    assert not import_cycles()
+
+
+def test_sessions_import_ours_at_module_level():
+    """No module of `sessions/` needs a function-level import of another module of ours (a lazy
+    import that dodges a cycle hides it; optional heavy packages such as av may stay lazy)."""
+    names = modules()
+    late = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+            for name, path in names.items() if name.startswith("streamer.sessions")
+            for target, line, in_function in imports_of(name, path, names) if in_function]
+    assert not late, late
+
+
+# Who writes a session's state: each field of `Session` is assigned (or its container written
+# through: `session.flash[k] = q`) only by the module that owns it; other modules call that
+# module's functions. Fields not named here belong to sessions/session.py. A setter property of
+# Session (`last_logits`) is Session's own code, so writes through it count as session.py's.
+FIELD_OWNERS = {"flash": "flash", "next_flash_id": "flash", "thinking": "thinking", "window": "window",
+                "actions": "actions", "rules": "actions", "next_rule_id": "actions",
+                "queries_answered": "query", "idle_turn": "background",
+                "closed": "engine", "last_active": "engine", "owner": "engine"}
+
+
+def session_fields() -> set[str]:
+    tree = parse(ROOT / "sessions" / "session.py")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def session_writes():
+    """(module stem, line, field) for each write of a Session field outside Session itself: an
+    assignment to `<...session>.field` (or `s.field`), through a subscript of it, or a setattr."""
+    fields = session_fields()
+    is_session = lambda node: (ast.unparse(node).split(".")[-1] in ("session", "s"))  # noqa: E731
+    for folder in LIBRARY:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = parse(path)
+            session_class = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session"]
+            inside = {id(n) for c in session_class for n in ast.walk(c)}
+            for node in ast.walk(tree):
+                if id(node) in inside:
+                    continue
+                targets = (node.targets if isinstance(node, ast.Assign) else
+                           [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                for target in targets:
+                    while isinstance(target, ast.Subscript):
+                        target = target.value
+                    if isinstance(target, ast.Attribute) and target.attr in fields and is_session(target.value):
+                        yield path.stem, node.lineno, target.attr, path
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                        and node.args and is_session(node.args[0])):
+                    yield path.stem, node.lineno, "setattr", path
+
+
+def test_session_fields_are_written_by_their_owners_only():
+    foreign = sorted({f"{path.relative_to(ROOT)}:{line} writes {field} (owner: {FIELD_OWNERS.get(field, 'session')})"
+                      for stem, line, field, path in session_writes()
+                      if path.parent.name != "sessions" or stem != FIELD_OWNERS.get(field, "session")})
+    assert not foreign, foreign
+
+
+# The two traces of docs/architecture.md section 2, counted from the code: the functions a text
+# chunk and a video frame pass through on their way to the K/V write and back, and where they
+# change threads. A call crosses threads when it is one of CROSSING's, or puts work on a queue or
+# pipe another thread reads (the engine's control and tokenizer queues, an executor, a decoder's
+# pipe). Each trace's handoffs are exactly the sites named here, each path function holds no
+# other crossing, and the doc's table marks the same number of handoffs.
+CROSSING = {"call_soon_threadsafe", "run_coroutine_threadsafe", "run_in_executor", "to_thread", "wrap_future"}
+QUEUES = {"_control", "_tokenizing", "executor", "pipe"}
+TRACES = {
+    "text chunk": {
+        "heading": "### The trace of one text chunk",
+        "handoffs": [("sessions/engine.py", "Engine._tokenize", "self._tokenizing.put"),
+                     ("sessions/engine.py", "Engine.call", "self._control.put"),
+                     ("streamer/eventlog.py", "EventLog._first", "asyncio.wrap_future")],
+        "path": [("streamer/connection.py", "Connection.receive"), ("streamer/connection.py", "Connection.dispatch"),
+                 ("streamer/handlers.py", "input_append"), ("streamer/eventlog.py", "EventLog.first"),
+                 ("streamer/eventlog.py", "EventLog._log_then_apply"), ("sessions/engine.py", "Engine.append"),
+                 ("sessions/jobs.py", "append"), ("sessions/jobs.py", "PrefillJob.plan_one")],
+    },
+    "video frame": {
+        "heading": "### The trace of one video frame",
+        "handoffs": [("vision/video.py", "VideoDecoder.write", "self.pipe.write"),
+                     ("streamer/eventlog.py", "EventLog.from_thread", "loop.call_soon_threadsafe"),
+                     ("sessions/engine.py", "Engine.call", "self._control.put"),
+                     ("streamer/eventlog.py", "EventLog._after", "asyncio.wrap_future")],
+        # MediaHub.submit is left out: its crossings are the piece's ack (decoder -> loop) and
+        # the audio branch's executor, not the frame's path
+        "path": [("streamer/handlers.py", "media"), ("vision/ingest.py", "VideoIngest.feed"),
+                 ("vision/ingest.py", "VideoIngest._start"), ("vision/ingest.py", "VideoIngest._write"),
+                 ("vision/ingest.py", "VideoIngest._decoded"), ("vision/ingest.py", "VideoIngest._offer"),
+                 ("vision/ingest.py", "VideoIngest._pump"), ("vision/ingest.py", "VideoIngest._encode"),
+                 ("vision/vlm.py", "EngineFrameEncoder.encode"), ("streamer/media.py", "LoggedEngine.append_frame"),
+                 ("streamer/eventlog.py", "EventLog.after"), ("sessions/jobs.py", "append_frame"),
+                 ("sessions/jobs.py", "FrameJob.plan_one")],
+    },
+}
+NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+
+
+def function(file: str, qualname: str) -> ast.AST:
+    body = parse(ROOT / file).body
+    node = None
+    for name in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == name), None)
+        assert node is not None, f"{file}: no {qualname} (the trace in docs/architecture.md names it)"
+        body = node.body
+    return node
+
+
+def crossings(node: ast.AST) -> list[str]:
+    found = []
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+            receiver = ast.unparse(call.func.value).split(".")[-1]
+            if call.func.attr in CROSSING or (call.func.attr in ("put", "put_nowait", "submit", "write")
+                                              and receiver in QUEUES):
+                found.append(ast.unparse(call.func))
+    return found
+
+
+@pytest.mark.parametrize("trace", list(TRACES))
+def test_the_traced_paths_change_threads_where_the_map_says(trace):
+    spec = TRACES[trace]
+    for file, qualname, call in spec["handoffs"]:
+        assert call in crossings(function(file, qualname)), f"{file} {qualname} no longer hands off with {call}"
+    declared = {(file, qualname): call for file, qualname, call in spec["handoffs"]}
+    extra = [f"{file} {qualname}: {c}" for file, qualname in spec["path"] + list(declared)
+             for c in crossings(function(file, qualname)) if c != declared.get((file, qualname))]
+    assert not extra, f"thread handoffs on the {trace}'s path beyond the map's: {extra}"
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    section = doc[doc.index(spec["heading"]):]
+    section = section[:section.index("\n### ", 1)]
+    n = len(spec["handoffs"])
+    marks = re.findall(r"\*\*handoff (\d+)", section)
+    assert marks == [str(i) for i in range(1, n + 1)], f"the map's {trace} table marks handoffs {marks}, the code has {n}"
+    assert re.search(rf"\b{NUMBERS[n]} thread handoffs", section, re.I), f"the map's {trace} text does not say {n}"
