@@ -31,12 +31,12 @@ if TYPE_CHECKING:
     from .engine import EngineCore
 
 
-@dataclass(slots=True)
-
 def adopt(session: Session, answered: int) -> None:
     """A handed-off session's count of answered questions (sessions/handoff.py)."""
     session.queries_answered = answered
 
+
+@dataclass(slots=True)
 class QueryResult:
     session_id: str
     query_id: str
