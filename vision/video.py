@@ -2,10 +2,13 @@
 
 A container (fragmented MP4, WebM, MPEG-TS) comes over the websocket in pieces of any size.
 FFmpeg's demuxers pull bytes through a read callback, so each stream runs its demux/decode
-loop in a thread of its own that reads from a `BytePipe`; `feed()` pushes a piece and returns
-once the decoder has used every byte it could (it is blocked waiting for more, or finished).
-That makes the result a function of the bytes alone, never of how they were cut: streaming a
-file in random-sized pieces yields exactly the frames of the whole file.
+loop in a thread of its own that reads from a `BytePipe`. The live path (`write`) puts a piece
+in the pipe without waiting and hands each frame on from the decoder's thread as it decodes
+it; the piece's `then` runs on that thread once the decoder has used every byte of it that it
+could (it is blocked waiting for more, or finished). `feed()` pushes a piece and waits for that
+moment instead (tests, benches, files). Either way the frames are a function of the bytes alone,
+never of how they were cut: streaming a file in random-sized pieces yields exactly the frames of
+the whole file.
 
 Then `FrameSampler` keeps frames at a target rate and skips near-duplicates before they cost
 cache. Single JPEG/PNG pictures decode without a container (`decode_image`).
