@@ -77,6 +77,25 @@ def run(engine, test, **config):
     return asyncio.run(main())
 
 
+class Resuming:
+    """The SDK's reconnect hook, resuming the session the first connection created: `opened`
+    reads its session.created and keeps the resume query the hook then sends."""
+
+    def __init__(self) -> None:
+        self.query: dict = {}
+        self.reconnecting = asyncio.Event()
+
+    def hook(self, event):
+        self.reconnecting.set()
+        return {"extra_query": {**event.extra_query, **self.query}}
+
+    async def opened(self, conn) -> tuple[Events, str]:
+        events = Events(conn)
+        created = await events.next("session.created")
+        self.query.update(created.session.model_extra["streamer"]["resume_query"])
+        return events, created.session.model_extra["id"]
+
+
 async def text_item(conn, events, text, event_id=None):
     await conn.conversation.item.create(item={"type": "message", "role": "user",
                                               "content": [{"type": "input_text", "text": text}]},
@@ -296,25 +315,14 @@ def test_a_reconnect_after_a_restart_resumes_the_session_with_nothing_lost(tiny_
 
     async def main():
         first = await StreamerServer(tiny_engine, ServerConfig(port=0, store_url=store)).start()
-        port = first.port
-        resume: dict = {}
-        reconnecting = asyncio.Event()
-
-        def on_reconnecting(event):
-            reconnecting.set()
-            return {"extra_query": {**event.extra_query, **resume}}
-
-        second = None
+        port, resuming, second = first.port, Resuming(), None
         try:
-            async with client(port).realtime.connect(model="streamer", on_reconnecting=on_reconnecting) as conn:
-                events = Events(conn)
-                created = await events.next("session.created")
-                sid = created.session.model_extra["id"]
-                resume.update(created.session.model_extra["streamer"]["resume_query"])
+            async with client(port).realtime.connect(model="streamer", on_reconnecting=resuming.hook) as conn:
+                events, sid = await resuming.opened(conn)
                 await text_item(conn, events, LINES[0], "a")
                 await text_item(conn, events, LINES[1], "b")
                 await first.shutdown(grace_s=1.0)  # 1001 going away: the SDK reconnects
-                await asyncio.wait_for(reconnecting.wait(), 30)
+                await asyncio.wait_for(resuming.reconnecting.wait(), 30)
                 for i, line in enumerate(LINES[2:4]):  # queued by the SDK while no server runs
                     await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                         {"type": "input_text", "text": line}]}, event_id=f"q{i}")
@@ -351,21 +359,12 @@ def test_a_resend_after_a_restart_is_told_from_the_log_and_its_checkpoint(tiny_e
 
     async def main():
         first = await StreamerServer(tiny_engine, ServerConfig(port=0, **config)).start()
-        port, resume, second = first.port, {}, None
-        reconnecting = asyncio.Event()
-
-        def on_reconnecting(event):
-            reconnecting.set()
-            return {"extra_query": {**event.extra_query, **resume}}
-
+        port, resuming, second = first.port, Resuming(), None
         pair = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": LINES[4]},
                                                                {"type": "input_text", "text": LINES[5]}]}
         try:
-            async with client(port).realtime.connect(model="streamer", on_reconnecting=on_reconnecting) as conn:
-                events = Events(conn)
-                created = await events.next("session.created")
-                sid = created.session.model_extra["id"]
-                resume.update(created.session.model_extra["streamer"]["resume_query"])
+            async with client(port).realtime.connect(model="streamer", on_reconnecting=resuming.hook) as conn:
+                events, sid = await resuming.opened(conn)
                 ids = {eid: (await text_item(conn, events, LINES[i], eid)).item.id for i, eid in enumerate("abcd")}
                 await conn.conversation.item.create(item=pair, event_id="pair")
                 ids["pair"] = (await events.next("conversation.item.done")).item.id
@@ -382,7 +381,7 @@ def test_a_resend_after_a_restart_is_told_from_the_log_and_its_checkpoint(tiny_e
                 inputs = state(first, sid)["inputs"]
                 assert inputs == 6
                 await first.shutdown(grace_s=1.0)
-                await asyncio.wait_for(reconnecting.wait(), 30)
+                await asyncio.wait_for(resuming.reconnecting.wait(), 30)
                 second = await StreamerServer(tiny_engine, ServerConfig(port=port, **config)).start()
                 again = await events.next("session.created")
                 assert again.session.model_extra["streamer"]["resumed"] is True
