@@ -350,7 +350,7 @@ def fire_rules(session, flash_id: str, answer) -> None:
     """A flash answer changed: each rule on that question that now matches emits its command
     (on a video session stamped with the media time of the newest frame the answer saw)."""
     now = time.monotonic()
-    for rule in list(session.rules.values()):
+    for rule in list(session.actions.rules.values()):
         if rule.flash_id == flash_id and rule.observe(normalize(answer.text), now):
             payload = {"rule_id": rule.rule_id, "flash_id": flash_id, "command": rule.command,
                        "answer": answer.text, "data_version": answer.data_version, "fired": rule.fired}
@@ -367,26 +367,26 @@ def add_rule(core: EngineCore, session_id: str, flash_id: str, pattern: str, com
     """When flash question `flash_id`'s answer changes to match `pattern`, the session's
     listeners get an `action.command` event with `command`, once per change."""
     session = core.live(session_id)
-    if flash_id not in session.flash:
+    if flash_id not in session.flash.questions:
         raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code=Code.FLASH_NOT_FOUND)
-    session.next_rule_id += 1
-    rid = rule_id or f"r{session.next_rule_id}"
-    if rid in session.rules:
+    session.actions.next_rule_id += 1
+    rid = rule_id or f"r{session.actions.next_rule_id}"
+    if rid in session.actions.rules:
         raise InvalidRequest(f"rule id {rid!r} is already in use")
-    if len(session.rules) >= core.limits.max_flash_per_session:
-        raise EngineError(f"session {session_id} already has {len(session.rules)} rules (the limit)",
+    if len(session.actions.rules) >= core.limits.max_flash_per_session:
+        raise EngineError(f"session {session_id} already has {len(session.actions.rules)} rules (the limit)",
                           code=Code.RULE_LIMIT)
     rule = FlashRule(rid, flash_id, pattern, command, debounce_s)
-    answer = session.flash[flash_id].answer
+    answer = session.flash.questions[flash_id].answer
     if answer is not None:  # a rule starts from the present answer: only changes fire
         rule.matched = bool(rule.regex.search(normalize(answer.text)))
-    session.rules[rid] = rule
+    session.actions.rules[rid] = rule
     return {"rule_id": rid, "flash_id": flash_id, "pattern": pattern, "matched": rule.matched}
 
 
 def remove_rule(core: EngineCore, session_id: str, rule_id: str) -> dict:
     session = core.live(session_id)
-    if session.rules.pop(rule_id, None) is None:
+    if session.actions.rules.pop(rule_id, None) is None:
         raise EngineError(f"no rule {rule_id!r} on session {session_id}", code=Code.RULE_NOT_FOUND)
     return {"rule_id": rule_id}
 
@@ -397,7 +397,7 @@ def start_actions(core: EngineCore, session_id: str, policy: str = "tracker", mo
     listeners as `action.chunk`. JSON inputs are its observations; robot state comes through
     `robot_state`."""
     session = core.live(session_id)
-    if session.actions is not None:
+    if session.actions.loop is not None:
         raise InvalidRequest(f"session {session_id} already runs an action policy")
     factory = POLICIES.get(policy)
     if factory is None:
@@ -416,22 +416,22 @@ def start_actions(core: EngineCore, session_id: str, policy: str = "tracker", mo
         if observation is not None:
             loop.observe(observation, chunk.ts)
             break
-    session.actions = loop.start()
+    session.actions.loop = loop.start()
     return session.state()["actions"]
 
 
 def halt(session: Session) -> None:
     """The session closed: its policy stops (without waiting for a slow one)."""
-    if session.actions is not None:
-        session.actions.stop(wait=False)
-        session.actions = None
+    if session.actions.loop is not None:
+        session.actions.loop.stop(wait=False)
+        session.actions.loop = None
 
 
 def stop_actions(core: EngineCore, session_id: str) -> dict:
     session = core.live(session_id)
-    if session.actions is None:
+    if session.actions.loop is None:
         raise InvalidRequest(f"session {session_id} runs no action policy")
-    loop, session.actions = session.actions, None
+    loop, session.actions.loop = session.actions.loop, None
     loop.stop(wait=False)  # a slow policy must not hold up the engine thread
     return {"last_seq": loop.controller.seq}
 
@@ -442,7 +442,7 @@ def robot_state(sessions: dict, session_id: str, state: list[float], ts: float |
     session = sessions.get(session_id)
     if session is None:
         raise SessionNotFound(f"no session {session_id!r}")
-    loop = session.actions
+    loop = session.actions.loop
     if loop is None:
         raise InvalidRequest(f"session {session_id} runs no action policy", code=Code.INVALID_ROBOT_STATE)
     loop.robot_state(state, time.time() if ts is None else ts)

@@ -26,7 +26,7 @@ def start(core: EngineCore) -> None:
     """Queue the idle-time work that is due, one job per session at most."""
     limits = core.limits
     for session in core.sessions.values():
-        if session.flash:
+        if session.flash.questions:
             flash.check_stale(session, limits.flash_stale_versions, limits.flash_stale_s)
         first = session.idle_turn
         for kind in (first, *(k for k in KINDS if k != first)):

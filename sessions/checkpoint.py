@@ -70,8 +70,8 @@ def capture(core: EngineCore, session_id: str) -> tuple[dict, dict[str, torch.Te
         "ended": session.ended,
         "crop_epoch": session.crop_epoch,
         "segments": dict(session.segments),
-        "next_flash_id": session.next_flash_id,
-        "flash": [_flash(q) for q in session.flash.values()],
+        "next_flash_id": session.flash.next_id,
+        "flash": [_flash(q) for q in session.flash.questions.values()],
         "window": _window(session.window),
         "thinking": _thinking(session, tensors),
     }

@@ -433,7 +433,7 @@ class EngineCore:
         sessions = list(self.sessions.values())
         queues = self.lanes.counts()
         queues["admission"] = len(self.memory.admission)
-        answered = [(s, q) for s in sessions for q in list(s.flash.values()) if q.answer is not None]
+        answered = [(s, q) for s in sessions for q in list(s.flash.questions.values()) if q.answer is not None]
         now = time.time()  # how long the answers that are behind their data have been behind (at most)
         stale_s = [now - q.answer.evaluated_at for s, q in answered if q.answer.data_version < s.data_version]
         return {"stats": snapshot_stats(self), "pool": self.memory.pool.stats(), "queues": queues,
@@ -442,9 +442,9 @@ class EngineCore:
                 "flash_staleness_versions_max": max((s.data_version - q.answer.data_version for s, q in answered),
                                                     default=0),
                 "flash_staleness_seconds_max": round(max(stale_s, default=0.0), 3),
-                "flash_staleness": {s.id: (s.staleness.cumulative(), s.staleness.count, round(s.staleness.sum, 6))
-                                    for s in sessions if s.staleness.count},
-                "flash_stale_marked": sum(1 for s in sessions for q in list(s.flash.values()) if q.stale),
+                "flash_staleness": {s.id: (h.cumulative(), h.count, round(h.sum, 6))
+                                    for s in sessions if (h := s.flash.staleness).count},
+                "flash_stale_marked": sum(1 for s in sessions for q in list(s.flash.questions.values()) if q.stale),
                 "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token,
                 "attention_backend": self.runner.attention_backend,
                 "weights": self.runner.weights.public()}

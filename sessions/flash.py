@@ -257,11 +257,11 @@ class FlashJob(Job):
                        f"{self.base} tokens of context in the model's window of {session.context_window}")
         staleness_s = max(0.0, time.time() - self.data_at)
         for q, answer in self.results:
-            if session.flash.get(q.flash_id) is not q:
+            if session.flash.questions.get(q.flash_id) is not q:
                 continue  # unregistered while it ran
             core.stats.flash_questions_evaluated += 1
             q.stale = None
-            session.staleness.observe(staleness_s)
+            session.flash.staleness.observe(staleness_s)
             if q.observe(answer):
                 core.stats.flash_pushed += 1
                 session.notify("flash.updated", {"flash_id": q.flash_id, "question": q.question, **answer.public(),
@@ -286,16 +286,16 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
                           priority: int, min_interval_s: float, confirm: int, limit: int,
                           answer_limit: int, penalties: Penalties | None = None) -> FlashQuestion:
     """Check a registration against the session's registry and the limits; build it."""
-    if len(session.flash) >= limit:
+    if len(session.flash.questions) >= limit:
         raise EngineError(f"session {session.id} already has {limit} flash questions (the limit)",
                           code=Code.FLASH_LIMIT)
     if not question.strip():
         raise InvalidRequest("flash question is empty")
     key = normalize(question)
-    for existing in session.flash.values():
+    for existing in session.flash.questions.values():
         if normalize(existing.question) == key:
             raise EngineError(f"question already registered as {existing.flash_id!r}", code=Code.FLASH_DUPLICATE)
-    if flash_id is not None and flash_id in session.flash:
+    if flash_id is not None and flash_id in session.flash.questions:
         raise EngineError(f"flash id {flash_id!r} is already in use", code=Code.FLASH_DUPLICATE)
     if not 1 <= max_tokens <= answer_limit:
         raise InvalidRequest(f"max_tokens must be in [1, {answer_limit}], got {max_tokens}", param="max_tokens",
@@ -306,8 +306,8 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
         raise InvalidRequest(f"min_interval must be >= 0, got {min_interval_s}")
     penalties = penalties or Penalties()
     penalties.validate()
-    fid = flash_id or f"f{session.next_flash_id}"
-    session.next_flash_id += 1
+    fid = flash_id or f"f{session.flash.next_id}"
+    session.flash.next_id += 1
     return FlashQuestion(fid, question, session.question_ids(question), max_tokens, priority,
                          min_interval_s, confirm, penalties)
 
@@ -319,12 +319,12 @@ def next_evaluation(session: Session, lanes: Lanes, stop_ids: frozenset[int]) ->
     (a unit may drop notes a flash fork would read). Whether a due unit goes first is the
     background rule's choice (`background.start`)."""
     sid = session.id
-    if lanes.running(sid, "flash") or not session.flash:
+    if lanes.running(sid, "flash") or not session.flash.questions:
         return None
     if session.cache.parked is not None or lanes.running(sid, "think"):
         return None
     now = time.monotonic()
-    due = [q for q in session.flash.values() if q.due(session.data_version, now)]
+    due = [q for q in session.flash.questions.values() if q.due(session.data_version, now)]
     if not due:
         return None
     if (session.pending_tokens or lanes.input_waiting(sid)) and not any(q.stale == "behind" for q in due):
@@ -349,7 +349,7 @@ def mark_stale(session: Session, q: FlashQuestion, reason: str, message: str) ->
 def check_stale(session: Session, max_versions: int, max_seconds: float) -> None:
     """Mark the questions whose last evaluation is too far behind the data (`flash.stale`)."""
     version = session.data_version
-    for q in session.flash.values():
+    for q in session.flash.questions.values():
         if q.stale is not None or q.evaluated_version >= version or version == 0:
             continue
         versions = version - max(0, q.evaluated_version)
@@ -362,7 +362,7 @@ def check_stale(session: Session, max_versions: int, max_seconds: float) -> None
 def next_stale_s(session: Session, max_seconds: float) -> float | None:
     """Seconds until a question that is behind crosses the staleness limit in time."""
     soonest = None
-    for q in session.flash.values():
+    for q in session.flash.questions.values():
         if q.stale is None and 0 < session.data_version and q.evaluated_version < session.data_version:
             wait = max(0.0, max_seconds - session.staleness_since(q.evaluated_version))
             soonest = wait if soonest is None else min(soonest, wait)
@@ -374,7 +374,7 @@ def next_due_s(session: Session) -> float | None:
     if session.cache.parked is not None:
         return None  # evaluated when it comes back
     now, soonest = time.monotonic(), None
-    for q in session.flash.values():
+    for q in session.flash.questions.values():
         if q.evaluated_version < session.data_version:
             wait = max(0.0, q.last_eval_at + q.min_interval_s - now)
             soonest = wait if soonest is None else min(soonest, wait)
@@ -403,13 +403,13 @@ def add_question(core: EngineCore, session: Session, question: str, flash_id: st
     if len(q.question_ids) > limits.max_question_tokens:
         raise InvalidRequest(f"question of {len(q.question_ids)} tokens exceeds the limit of "
                              f"{limits.max_question_tokens} tokens", code=Code.QUESTION_TOO_LONG)
-    session.flash[q.flash_id] = q
+    session.flash.questions[q.flash_id] = q
     return q
 
 
 def unregister(core: EngineCore, session_id: str, flash_id: str) -> dict:
     session = core.live(session_id)
-    q = session.flash.pop(flash_id, None)
+    q = session.flash.questions.pop(flash_id, None)
     if q is None:
         raise EngineError(f"no flash question {flash_id!r} on session {session_id}", code=Code.FLASH_NOT_FOUND)
     return q.state(session.data_version)
@@ -417,13 +417,13 @@ def unregister(core: EngineCore, session_id: str, flash_id: str) -> dict:
 
 def adopt(session: Session, questions: dict, next_id: int) -> None:
     """A handed-off session's flash questions, as exported (sessions/handoff.py)."""
-    session.flash, session.next_flash_id = questions, next_id
+    session.flash.questions, session.flash.next_id = questions, next_id
 
 
 def restore(core: EngineCore, session: Session, items: list[dict], next_id: int) -> None:
     """A checkpoint's flash questions, with their answers and marks (sessions/checkpoint.py)."""
-    session.next_flash_id = next_id
-    session.flash = {}
+    session.flash.next_id = next_id
+    session.flash.questions = {}
     for item in items:
         args = {k: v for k, v in item["args"].items() if v is not None}
         q = add_question(core, session, **args)

@@ -48,8 +48,10 @@ PREFIX_ATOL = 1e-4  # the importer's framing prefix against the exporter's (fp32
 
 # Session attributes carried (besides the caches and logits, which travel as tensors).
 SESSION_FIELDS = ("chunks", "data_version", "next_seq", "position_offset", "frames", "media_s", "ended",
-                  "created_at", "last_input_at", "queries_answered", "crop_epoch", "flash", "next_flash_id",
-                  "thinking", "window", "segments", "version_times", "idle_turn")
+                  "created_at", "last_input_at", "queries_answered", "crop_epoch", "thinking", "window",
+                  "segments", "version_times", "idle_turn")
+# The FlashBoard's fields carried, under their names in the blob's state (the staleness histogram stays).
+BOARD_FIELDS = {"flash": "questions", "next_flash_id": "next_id"}
 
 # Fields that hold `time.monotonic()` readings: each process has its own clock, so they travel
 # as an age and come back against the importer's clock.
@@ -80,6 +82,7 @@ def export_session(core: EngineCore, session_id: str, extra: dict | None = None)
         session.cache.restore()
     tensors: list[torch.Tensor] = []
     state = {name: _encode(getattr(session, name), tensors) for name in SESSION_FIELDS}
+    state |= {key: _encode(getattr(session.flash, name), tensors) for key, name in BOARD_FIELDS.items()}
     logits = session.last_logits
     header = {
         "session_id": session_id, "model": core.runner.name, "kv": _shape_of(session.cache.shape),
@@ -178,7 +181,7 @@ def import_session(core: EngineCore, session_id: str, blob: bytes) -> dict:
     session = core.live(session_id)
     _check(core, session, header, session_id)
     kv = tensors[_index(header["cache"])].to(session.cache.shape.device)
-    state = {name: _decode(header["state"][name], tensors, core) for name in SESSION_FIELDS}
+    state = {name: _decode(header["state"][name], tensors, core) for name in (*SESSION_FIELDS, *BOARD_FIELDS)}
     _write_cache(session.cache, kv)
     logits = header["logits"]
     # each part of the state into the session through the module that owns it

@@ -254,7 +254,7 @@ def cached_answer(session: Session, question: str, params, query_id: str | None)
         return None
     penalties = params.penalties
     key = normalize(question)
-    for q in session.flash.values():
+    for q in session.flash.questions.values():
         a = q.answer
         if normalize(q.question) != key or a is None or a.data_version != session.data_version:
             continue

@@ -87,6 +87,30 @@ class Histogram:
         return out
 
 
+class FlashBoard:
+    """A session's flash state; only sessions/flash.py assigns its fields. Defined here, beside
+    `Session`, which creates one (flash.py imports this module)."""
+
+    __slots__ = ("questions", "next_id", "staleness")
+
+    def __init__(self) -> None:
+        self.questions: dict = {}  # flash_id -> FlashQuestion, in registration order
+        self.next_id = 1  # the number of the next default id (`f<n>`)
+        self.staleness = Histogram()  # seconds from accepted data to its evaluated answer
+
+
+class ActionsState:
+    """A session's actions state; only sessions/actions.py assigns its fields. Defined here,
+    beside `Session`, which creates one (actions.py imports this module)."""
+
+    __slots__ = ("loop", "rules", "next_rule_id")
+
+    def __init__(self) -> None:
+        self.loop = None  # ActionLoop, while a policy runs
+        self.rules: dict = {}  # rule_id -> FlashRule
+        self.next_rule_id = 0
+
+
 def normalize(text: str) -> str:
     """What counts as the same answer: case, surrounding punctuation and spacing ignored."""
     return re.sub(r"\s+", " ", text).strip().strip(".!?,;:").strip().lower()
@@ -135,17 +159,13 @@ class Session:
         self._last_logits = None  # logits after the newest committed token (maybe `DeferredLogits`)
         self.queries_answered = 0
         self.crop_epoch = 0  # bumped when tokens already in the cache are replaced (revise)
-        self.flash: dict = {}  # flash_id -> FlashQuestion
-        self.next_flash_id = 1
+        self.flash = FlashBoard()  # questions, next id, staleness (sessions/flash.py)
         self.listeners: list = []  # callables (event_type, payload) on the engine thread
         self.thinking = None  # ThinkingState, when a thinking mode is set
-        self.rules: dict = {}  # rule_id -> FlashRule
-        self.next_rule_id = 0
-        self.actions = None  # ActionLoop, when a policy runs
+        self.actions = ActionsState()  # the running policy, rules, next rule id (sessions/actions.py)
         self.window = None  # TextWindow, when the cache is bounded (sessions/window.py)
         self.segments: dict[str, int] = {}  # audio segment -> seq of its chunk, while a partial may be revised
         self.version_times: deque[tuple[int, float]] = deque(maxlen=1024)  # (data_version, when it was reached)
-        self.staleness = Histogram()  # flash: seconds from accepted data to its evaluated answer
         self.owner = session_id  # whose work it is for the fair share: the API key, else the client
         self.idle_turn = "flash"  # whose turn it is when a reasoning unit and a flash evaluation are both due
         self.log = logging.LoggerAdapter(log, {"session": session_id})
@@ -213,10 +233,10 @@ class Session:
         self.next_seq += 1
         self.chunks.append(chunk)
         self.new_version(chunk.ts)
-        if self.actions is not None:  # JSON inputs are observations for the action policy
+        if self.actions.loop is not None:  # JSON inputs are observations for the action policy
             observation = json_object(text)
             if observation is not None:
-                self.actions.observe(observation, chunk.ts)
+                self.actions.loop.observe(observation, chunk.ts)
         return chunk
 
     def record_reasoning(self, start: int, tokens: list[int], text: str) -> None:
@@ -273,13 +293,13 @@ class Session:
             "created_at": self.created_at,
             "last_input_at": self.last_input_at,
             "queries_answered": self.queries_answered,
-            "flash": [q.state(self.data_version) for q in self.flash.values()],
+            "flash": [q.state(self.data_version) for q in self.flash.questions.values()],
             "thinking": self.thinking.public() if self.thinking is not None else {"mode": "off"},
             "rules": [{"rule_id": r.rule_id, "flash_id": r.flash_id, "pattern": r.pattern, "fired": r.fired}
-                      for r in self.rules.values()],
+                      for r in self.actions.rules.values()],
             "window": self.window.public() if self.window is not None else None,
-            "actions": {"running": True, "mode": self.actions.controller.mode, "last_seq": self.actions.controller.seq,
-                        "errors": self.actions.errors} if self.actions is not None else {"running": False},
+            "actions": {"running": True, "mode": loop.controller.mode, "last_seq": loop.controller.seq,
+                        "errors": loop.errors} if (loop := self.actions.loop) is not None else {"running": False},
         }
 
     def notify(self, event: str, payload: dict) -> None:
@@ -294,8 +314,9 @@ class Session:
 # Who assigns a Session field: this module the input log, the reading and the clocks (`chunks`,
 # `next_seq`, `data_version`, `position_offset`, `crop_epoch`, `segments`, `pending_tokens`,
 # `ended`, ...); engine.py the lifecycle (`closed`, `last_active`, `owner`); each feature its own
-# state: window.py `window`, thinking.py `thinking`, flash.py `flash`/`next_flash_id`, actions.py
-# `actions`/`rules`/`next_rule_id`, query.py `queries_answered`, background.py `idle_turn`.
+# state: window.py `window`, thinking.py `thinking`, flash.py `flash` (a FlashBoard: its fields
+# too), actions.py `actions` (an ActionsState: its fields too), query.py `queries_answered`,
+# background.py `idle_turn`.
 
 
 def queue_tokens(session: Session, n: int) -> None:

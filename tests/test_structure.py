@@ -201,29 +201,67 @@ def test_sessions_import_ours_at_module_level():
 
 
 # Who writes a session's state: each field of `Session` is assigned (or its container written
-# through: `session.flash[k] = q`) only by the module that owns it; other modules call that
+# through: `session.segments[k] = v`) only by the module that owns it; other modules call that
 # module's functions. Fields not named here belong to sessions/session.py. A setter property of
 # Session (`last_logits`) is Session's own code, so writes through it count as session.py's.
-FIELD_OWNERS = {"flash": "flash", "next_flash_id": "flash", "thinking": "thinking", "window": "window",
-                "actions": "actions", "rules": "actions", "next_rule_id": "actions",
+FIELD_OWNERS = {"flash": "flash", "thinking": "thinking", "window": "window", "actions": "actions",
                 "queries_answered": "query", "idle_turn": "background",
                 "closed": "engine", "last_active": "engine", "owner": "engine"}
+# A feature's state grouped in one object (its class in sessions/session.py, which creates it):
+# the object's fields are written only by the owner of the Session field that holds it, as
+# `session.flash.next_id += 1`, `session.flash.questions[k] = q`, `session.flash.questions.pop(k)`.
+STATE_CLASSES = {"flash": "FlashBoard", "actions": "ActionsState"}
+MUTATORS = {"pop", "popitem", "clear", "update", "setdefault", "append", "extend", "remove", "insert", "observe"}
 
 
-def session_fields() -> set[str]:
-    tree = parse(ROOT / "sessions" / "session.py")
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session")
+def is_session(node: ast.AST) -> bool:
+    return ast.unparse(node).split(".")[-1] in ("session", "s")
+
+
+def init_fields(cls: ast.ClassDef) -> set[str]:
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 
 
+def session_classes() -> dict[str, ast.ClassDef]:
+    tree = parse(ROOT / "sessions" / "session.py")
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def session_fields() -> set[str]:
+    return init_fields(session_classes()["Session"])
+
+
+def state_fields() -> dict[str, set[str]]:
+    """Session field -> the fields of the state object it holds."""
+    classes = session_classes()
+    return {name: init_fields(classes[cls]) for name, cls in STATE_CLASSES.items()}
+
+
+def written(node: ast.AST) -> list[tuple[str, ast.AST]]:
+    """What a statement or call writes, with how: assignment targets (through subscripts), the
+    first argument of a setattr, the receiver of a mutating method call."""
+    targets = (node.targets if isinstance(node, ast.Assign) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+    out = []
+    for target in targets:
+        while isinstance(target, ast.Subscript):
+            target = target.value
+        out.append(("assign", target))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:
+        out.append(("setattr", node.args[0]))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+        out.append(("call", node.func.value))
+    return out
+
+
 def session_writes():
-    """(module stem, line, field) for each write of a Session field outside Session itself: an
-    assignment to `<...session>.field` (or `s.field`), through a subscript of it, or a setattr."""
-    fields = session_fields()
-    is_session = lambda node: (ast.unparse(node).split(".")[-1] in ("session", "s"))  # noqa: E731
+    """(module stem, line, field, path) for each write of a Session field outside Session itself:
+    an assignment to `<...session>.field` (or `s.field`), through a subscript of it, or a setattr;
+    and of a state object's field (`flash.questions`): also through a mutating method call."""
+    fields, grouped = session_fields(), state_fields()
     for folder in LIBRARY:
         for path in sorted((ROOT / folder).rglob("*.py")):
             tree = parse(path)
@@ -232,23 +270,38 @@ def session_writes():
             for node in ast.walk(tree):
                 if id(node) in inside:
                     continue
-                targets = (node.targets if isinstance(node, ast.Assign) else
-                           [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-                for target in targets:
-                    while isinstance(target, ast.Subscript):
-                        target = target.value
-                    if isinstance(target, ast.Attribute) and target.attr in fields and is_session(target.value):
-                        yield path.stem, node.lineno, target.attr, path
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                        and node.args and is_session(node.args[0])):
-                    yield path.stem, node.lineno, "setattr", path
+                for how, target in written(node):
+                    if how == "setattr":
+                        if is_session(target):
+                            yield path.stem, node.lineno, "setattr", path
+                        elif isinstance(target, ast.Attribute) and target.attr in grouped and is_session(target.value):
+                            yield path.stem, node.lineno, f"{target.attr}.setattr", path
+                    elif isinstance(target, ast.Attribute):
+                        held = target.value
+                        if how == "assign" and target.attr in fields and is_session(held):
+                            yield path.stem, node.lineno, target.attr, path
+                        elif (isinstance(held, ast.Attribute) and held.attr in grouped
+                              and target.attr in grouped[held.attr] and is_session(held.value)):
+                            yield path.stem, node.lineno, f"{held.attr}.{target.attr}", path
+
+
+def owner_of(field: str) -> str:
+    return FIELD_OWNERS.get(field.split(".")[0], "session")
 
 
 def test_session_fields_are_written_by_their_owners_only():
-    foreign = sorted({f"{path.relative_to(ROOT)}:{line} writes {field} (owner: {FIELD_OWNERS.get(field, 'session')})"
+    foreign = sorted({f"{path.relative_to(ROOT)}:{line} writes {field} (owner: {owner_of(field)})"
                       for stem, line, field, path in session_writes()
-                      if path.parent.name != "sessions" or stem != FIELD_OWNERS.get(field, "session")})
+                      if path.parent.name != "sessions" or stem != owner_of(field)})
     assert not foreign, foreign
+
+
+def test_feature_state_is_grouped():
+    """Each grouped feature holds one Session field, and its state object's fields are not also
+    Session fields."""
+    fields, grouped = session_fields(), state_fields()
+    assert set(grouped) <= fields and set(grouped) <= set(FIELD_OWNERS)
+    assert all(inner and not inner & fields for inner in grouped.values()), grouped
 
 
 # The two traces of docs/architecture.md section 2, counted from the code: the functions a text

@@ -119,7 +119,7 @@ def engine_answers(engine):
     engine.run_until_idle()
     for sid, handle in zip((plain, dual), handles):
         out["answers"].append((handle.future.result(0).tokens, engine.sessions[sid].cache.snapshot()))
-    out["flash"] = [q.answer.tokens for q in engine.sessions[plain].flash.values()]
+    out["flash"] = [q.answer.tokens for q in engine.sessions[plain].flash.questions.values()]
     out["notes"] = [u.text for u in engine.sessions[dual].thinking.units]
     out["thinking_cache"] = engine.sessions[dual].thinking.cache.snapshot()
     out["state"] = sync.session_state(plain)

@@ -180,7 +180,7 @@ def test_a_flash_question_that_cannot_fit_does_not_spin(tiny):
     sync.register_flash(sid, "A question " * 6, max_tokens=4)
     assert engine.run_until_idle(max_steps=50) < 50  # it goes idle: no evaluation loop
     assert engine.stats.flash_evaluations == 1  # evaluated (skipped: no room) once
-    assert engine.sessions[sid].flash["f1"].answer is None
+    assert engine.sessions[sid].flash.questions["f1"].answer is None
 
 
 def test_an_engine_not_started_does_nothing_until_stepped(tiny):

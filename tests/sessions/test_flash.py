@@ -146,7 +146,7 @@ def test_engine_evaluates_after_updates_and_answers_from_cache(tiny):
     # staleness runs from the data's acceptance to the answer, so it spans the evaluation
     assert updates[0][1]["staleness_ms"] >= updates[0][1]["eval_ms"] - 0.1 and updates[0][1]["staleness_ms"] > 0
     session = engine.sessions[sid]
-    q = session.flash["f1"]
+    q = session.flash.questions["f1"]
     assert q.answer.data_version == 1
     # asking the registered question returns the cached, current answer without the model
     steps = engine.stats.steps
@@ -188,9 +188,9 @@ def test_stale_evaluations_are_labelled_with_the_data_they_saw(tiny):
         for _ in range(3):
             engine.step()
     sync.append(sid, "End. ")
-    assert all(q.evaluated_version == session.data_version for q in session.flash.values())
+    assert all(q.evaluated_version == session.data_version for q in session.flash.questions.values())
     chunks = [c.text for c in session.chunks]
-    for q in session.flash.values():
+    for q in session.flash.questions.values():
         versions = [v for v, _, _, _ in q.history]
         assert len(set(versions)) > 3 and versions[-1] == session.data_version
         for version, gap, prob, _ in q.history:
@@ -218,10 +218,10 @@ def test_revise_cancels_a_running_evaluation(tiny):
     assert evaluation.forks[0].fed > 0 and not evaluation.done  # mid-evaluation
     sync.revise(sid, "The keeper is Owen Pike. ")
     session = engine.sessions[sid]
-    assert session.flash["f1"].evaluated_version == session.data_version
+    assert session.flash.questions["f1"].evaluated_version == session.data_version
     reference = build(runner, [c.text for c in session.chunks])
     expected = on_demand(runner, reference, QUESTIONS[0], 30).text
-    assert session.flash["f1"].answer.text == expected
+    assert session.flash.questions["f1"].answer.text == expected
     assert engine.stats.flash_cancelled == 1
     assert [p["data_version"] for p in seen] == [2]  # the evaluation of version 1 never landed
     assert seen[-1]["answer"] == expected
@@ -268,7 +268,7 @@ def test_min_interval_spaces_evaluations(tiny):
     sid = sync.create_session()["session_id"]
     sync.append(sid, "a ")
     sync.register_flash(sid, QUESTIONS[0], max_tokens=4, min_interval_s=0.5)
-    q = engine.sessions[sid].flash["f1"]
+    q = engine.sessions[sid].flash.questions["f1"]
     assert q.evaluations == 1
     first = q.last_eval_at
     sync.append(sid, "x ")

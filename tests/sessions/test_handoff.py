@@ -68,12 +68,12 @@ def test_a_windowed_text_session_with_flash_moves_whole(tiny):
     target, blob = move(source, sid, **settings)
     assert blob.startswith(MAGIC)
     sa, sb = same_session(source, target, sid)
-    assert sb.flash["f1"].answer is not None and sb.flash["f1"].answer.text == sa.flash["f1"].answer.text
+    assert sb.flash.questions["f1"].answer is not None and sb.flash.questions["f1"].answer.text == sa.flash.questions["f1"].answer.text
     assert ask(source, sid) == ask(target, sid)
     for row in ROWS[8:]:  # more input after the move: the same seqs, caches and flash answers
         assert source.append(sid, row).seq == target.append(sid, row).seq
     same_session(source, target, sid, whole=False)
-    assert sa.flash["f1"].answer.text == sb.flash["f1"].answer.text
+    assert sa.flash.questions["f1"].answer.text == sb.flash.questions["f1"].answer.text
     assert ask(source, sid, "Is the lamp on?") == ask(target, sid, "Is the lamp on?")
 
 

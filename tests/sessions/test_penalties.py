@@ -110,7 +110,7 @@ def test_flash_answers_use_their_penalties_and_cached_answers_need_the_same(tiny
     unpenalized = engine.query(sid, question, SamplingParams(max_tokens=12))
     assert not unpenalized.cached and unpenalized.text != flash["answer"]
     longer = engine.query(sid, question, SamplingParams(max_tokens=13, **STRONG))  # past the cached answer
-    cached_tokens = engine.engine.sessions[sid].flash[flash["flash_id"]].answer.tokens
+    cached_tokens = engine.engine.sessions[sid].flash.questions[flash["flash_id"]].answer.tokens
     assert not longer.cached and longer.tokens[:len(cached_tokens)] == cached_tokens  # the model agrees
 
 
@@ -123,7 +123,7 @@ def test_a_flash_answer_ends_with_its_end_bias_and_serves_only_the_same_bias(tin
     engine.append(sid, TEXT)
     flash = engine.session_state(sid)["flash"][0]
     assert flash["end_bias"] == 8.0
-    answer = engine.engine.sessions[sid].flash[flash["flash_id"]].answer
+    answer = engine.engine.sessions[sid].flash.questions[flash["flash_id"]].answer
     asked = engine.query(sid, question, SamplingParams(max_tokens=16, end_bias=8.0))
     assert asked.cached and asked.text == flash["answer"] and answer.finish_reason == "stop"
     unbiased = engine.query(sid, question, SamplingParams(max_tokens=16))

@@ -109,7 +109,7 @@ def test_rule_fires_exactly_once_per_answer_change(tiny_engine, broker):
         commands = await mqtt_messages(broker, f"{prefix}/sessions/{sid}/commands", 2, after=push_answers)
         assert [c["answer"] for _, c in commands] == ["Yes, a person.", "Yes!"]
         assert all(c["command"] == {"action": "stop"} and c["rule_id"] == "halt" for _, c in commands)
-        assert session.rules["halt"].fired == 2  # fired on the engine thread before the commands went out
+        assert session.actions.rules["halt"].fired == 2  # fired on the engine thread before the commands went out
 
     serve_mqtt(tiny_engine, broker, test)
 
@@ -141,7 +141,7 @@ def test_malformed_robot_state_is_refused_and_ignored(tiny_engine, broker):
         errors = await mqtt_messages(broker, f"{prefix}/sessions/{sid}/errors", 2, after=send_bad)
         assert [e["error"]["code"] for _, e in errors] == ["invalid_robot_state", "invalid_robot_state"]
         assert "not JSON" in errors[0][1]["error"]["message"] and "2 finite numbers" in errors[1][1]["error"]["message"]
-        loop = tiny_engine.sessions[sid].actions
+        loop = tiny_engine.sessions[sid].actions.loop
         await until(lambda: loop.state.tolist() == [0.5, 0.5], 5, "the good state")  # the bad ones changed nothing
         before = loop.controller.seq
         await until(lambda: loop.controller.seq > before, 5, "more chunks")  # and the policy keeps going

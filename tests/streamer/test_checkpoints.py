@@ -98,9 +98,9 @@ def _flash_answers(engine, sid):
     """The flash answers once every question has seen the session's data (run on demand)."""
     def read():
         s = engine.sessions[sid]
-        if any(q.evaluated_version < s.data_version for q in s.flash.values()):
+        if any(q.evaluated_version < s.data_version for q in s.flash.questions.values()):
             return None
-        return {fid: q.answer.text if q.answer else None for fid, q in s.flash.items()}
+        return {fid: q.answer.text if q.answer else None for fid, q in s.flash.questions.items()}
 
     async def poll():
         return await until(lambda: engine.call(read).result(10), 60, "flash answers on the replayed session")
@@ -169,7 +169,7 @@ def _dual(session):
     t = session.thinking
     return {"reading": session.cache.snapshot(), "thinking": t.cache.snapshot(),
             "notes": [u.text for u in t.units], "units": [(u.start, u.end, u.positions) for u in t.units],
-            "flash": {fid: (q.answer.text if q.answer else None, q.evaluated_version) for fid, q in session.flash.items()}}
+            "flash": {fid: (q.answer.text if q.answer else None, q.evaluated_version) for fid, q in session.flash.questions.items()}}
 
 
 class _Renamed:

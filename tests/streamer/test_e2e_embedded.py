@@ -141,13 +141,13 @@ def test_flash_on_embedded_model(embedded_engine):
         engine.append(sid, p)
     engine.append(sid, " ").result()
     session = engine.sessions[sid]
-    wait_until(lambda: all(q.evaluated_version >= session.data_version for q in session.flash.values()), 120,
+    wait_until(lambda: all(q.evaluated_version >= session.data_version for q in session.flash.questions.values()), 120,
                "the flash answers of the last version")
-    for q in session.flash.values():
+    for q in session.flash.questions.values():
         fresh = engine.query(sid, q.question, SamplingParams(max_tokens=16, stop=["\x00never"])).future.result()
         assert not fresh.cached and fresh.tokens == q.answer.tokens, (q.question, fresh.text, q.answer.text)
         cached = engine.query(sid, q.question, SamplingParams(max_tokens=16)).future.result()
         assert cached.cached and cached.text == q.answer.text
-    keeper = session.flash["f1"].answer.text.lower()
+    keeper = session.flash.questions["f1"].answer.text.lower()
     assert "ada" in keeper, keeper
     engine.close_session(sid).result()
