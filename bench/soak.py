@@ -235,6 +235,13 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
     engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name),
                     EngineLimits(max_context_tokens=2048, max_sessions=max(64, 2 * sessions),
                                  kv_budget_bytes=kv_budget_mb << 20)).start()
+    from streamer.server import Connection
+    from streamer.sessions.session import Session
+
+    # sessions and connections alive before the soak (another engine's in the same process, a
+    # test run before this one) are not the soak's to account for: held here so their ids stay theirs
+    earlier = [o for o in gc.get_objects() if type(o) in (Session, Connection)]
+    earlier_ids = {id(o) for o in earlier}
     server = await StreamerServer(engine, ServerConfig(port=0)).start()
     url = f"ws://127.0.0.1:{server.port}"
     stats = Stats()
@@ -265,19 +272,17 @@ async def soak(sessions: int, minutes: float, model: str = "embedded", seed: int
         final = rss_mb()
         blocks = sys.getallocatedblocks() - blocks0
         live_sessions = engine.snapshot_stats()["sessions"]
-        from streamer.server import Connection
-        from streamer.sessions.session import Session
-
-        for _ in range(200):  # connection tasks finish their cleanup just after the last close
-            left = [o for o in gc.get_objects() if type(o) in (Session, Connection)]
-            leftovers = len(left)
-            if not leftovers:
+        left: list = []
+        for attempt in range(200):  # connection tasks finish their cleanup just after the last close
+            left = [o for o in gc.get_objects() if type(o) in (Session, Connection) and id(o) not in earlier_ids]
+            if not left or attempt == 199:
                 break
-            del left
+            left = []
             await asyncio.sleep(0.1)
             gc.collect()
-        held_by = [held(o) for o in left] if leftovers else []
-        left = None
+        leftovers = len(left)
+        held_by = [held(o) for o in left]
+        left = earlier = None
     finally:
         await server.stop()
         engine.stop()
