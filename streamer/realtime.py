@@ -29,6 +29,7 @@ import binascii
 import itertools
 import json
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -92,6 +93,8 @@ class RealtimeSession:
     audio_samples: int = 0
     items: int = 0
     responses: int = 0
+    # in response ids: a new process counts responses from 1 again, so its ids differ by this
+    epoch: str = field(default_factory=lambda: secrets.token_hex(3))
     last_item_id: str | None = None
     last_user_text: str | None = None
     last_audio_item: str | None = None
@@ -100,6 +103,12 @@ class RealtimeSession:
     seen: OrderedDict = field(default_factory=OrderedDict)
     standing: dict[str, dict] = field(default_factory=dict)  # flash_id -> {"metadata", "max_tokens"}
     image_duplicates: int = 0
+
+    def next_response_ids(self) -> tuple[str, str]:
+        """A new response's id and its output item's id."""
+        self.responses += 1
+        return (f"resp_{self.session_id}_{self.epoch}_{self.responses}",
+                f"item_{self.session_id}_{self.epoch}_r{self.responses}")
 
 
 # Realtime state per server (its Services object) and session: outlives connections, not the process.
@@ -408,8 +417,7 @@ class RealtimeProtocol(ServerProtocol):
             if event_id is not None:
                 cmd.fields["logged"] = {"event_id": event_id}
             return [cmd]
-        rt.responses += 1
-        resp = _Response(f"resp_{rt.session_id}_{rt.responses}", f"item_{rt.session_id}_r{rt.responses}", metadata,
+        resp = _Response(*rt.next_response_ids(), metadata,
                          None if conversation == "none" else f"conv_{rt.session_id}", max_tokens, event_id)
         cmd = self._native("query.create", resp, session_id=rt.session_id, question=question, max_tokens=max_tokens,
                            query_id=resp.id[-64:])
@@ -658,8 +666,7 @@ class RealtimeEvents:
         rt = self.p.rt
         standing = rt.standing.setdefault(ev["flash_id"], {"metadata": _metadata_of(ev["flash_id"]),
                                                            "max_tokens": None})
-        rt.responses += 1
-        resp = _Response(f"resp_{rt.session_id}_{rt.responses}", f"item_{rt.session_id}_r{rt.responses}",
+        resp = _Response(*rt.next_response_ids(),
                          standing["metadata"], None, standing["max_tokens"] or DEFAULT_MAX_OUTPUT_TOKENS,
                          flash_id=ev["flash_id"])
         standing.setdefault("responses", set()).add(resp.id)

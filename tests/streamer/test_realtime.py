@@ -321,6 +321,8 @@ def test_a_reconnect_after_a_restart_resumes_the_session_with_nothing_lost(tiny_
                 events, sid = await resuming.opened(conn)
                 await text_item(conn, events, LINES[0], "a")
                 await text_item(conn, events, LINES[1], "b")
+                await conn.response.create(response={"instructions": QUESTION, "max_output_tokens": 4})
+                before = (await events.response())[2].response.id
                 await first.shutdown(grace_s=1.0)  # 1001 going away: the SDK reconnects
                 await asyncio.wait_for(resuming.reconnecting.wait(), 30)
                 for i, line in enumerate(LINES[2:4]):  # queued by the SDK while no server runs
@@ -341,6 +343,7 @@ def test_a_reconnect_after_a_restart_resumes_the_session_with_nothing_lost(tiny_
                 await conn.response.create(response={"instructions": QUESTION, "max_output_tokens": 4})
                 _, _, done = await events.response()
                 assert done.response.model_extra["streamer"]["data_version"] == 4
+                assert done.response.id != before  # the new process counts from 1 again, in ids of its own
         finally:
             if second is not None:
                 await second.stop()
