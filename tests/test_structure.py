@@ -191,11 +191,12 @@ def test_no_import_cycle_among_our_modules():
 
 
 def test_sessions_import_ours_at_module_level():
-    """No module of `sessions/` needs a function-level import of another module of ours (a lazy
-    import that dodges a cycle hides it; optional heavy packages such as av may stay lazy)."""
+    """No module of `sessions/` or `kernels/` (the engine and both sides of the C boundary) needs
+    a function-level import of another module of ours (a lazy import that dodges a cycle hides
+    it; optional heavy packages such as av may stay lazy)."""
     names = modules()
     late = [f"{path.relative_to(ROOT)}:{line} imports {target}"
-            for name, path in names.items() if name.startswith("streamer.sessions")
+            for name, path in names.items() if name.startswith(("streamer.sessions", "streamer.kernels"))
             for target, line, in_function in imports_of(name, path, names) if in_function]
     assert not late, late
 

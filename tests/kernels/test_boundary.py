@@ -1,6 +1,7 @@
 """The C boundary, held by a test: every ctypes structure, pointer and call into the C kernels is
-in `kernels/` (kernels/cpu.py's typed API); `sessions/` never imports ctypes, and the modules on
-either side of the boundary import ours at module level only (no cycle hidden in a function)."""
+in `kernels/` (kernels/cpu.py's typed API); `sessions/` never imports ctypes. That both sides
+import ours at module level only is test_sessions_import_ours_at_module_level in
+tests/test_structure.py."""
 
 import ast
 from pathlib import Path
@@ -22,19 +23,3 @@ def test_sessions_never_import_ctypes():
              for node, names in imports(path) if any(n.split(".")[0] == "ctypes" for n in names)]
     assert not found, found
 
-
-def test_the_native_path_imports_ours_at_module_level():
-    files = [ROOT / "sessions" / f for f in ("native.py", "gguf_file.py", "models.py")]
-    files += sorted((ROOT / "kernels").rglob("*.py"))
-    found = []
-    for path in files:
-        tree = ast.parse(path.read_text(), str(path))
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for node in ast.walk(fn):
-                if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("streamer")):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-                elif isinstance(node, ast.Import) and any(a.name.startswith("streamer") for a in node.names):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not found, found
