@@ -16,7 +16,10 @@ saw was accepted to the push. A question whose last evaluation is more than
 `EngineLimits.flash_stale_versions` versions or `flash_stale_s` seconds behind the data gets
 one `flash.stale` (reason `behind`) and is then evaluated even while input is still queued; a
 question that cannot be evaluated says why at once (`no_room`: question and answer do not fit
-the model's window; `failed`: the evaluation raised). The next evaluation clears the mark.
+the model's window of an unbounded session; `failed`: the evaluation raised). The next
+evaluation clears the mark. A windowed session always answers: an evaluation evicts old input
+first where its questions would not fit (`FlashJob.room`, as a question asked does), also when
+dual notes take the positions after the data.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .errors import Code, EngineError, InvalidRequest
 from .forks import fork_view
 from .jobs import Job, Lanes, Priority
 from .kvcache import KVCache
+from .room import Room
 from .runner import SeqStep
 from .sampling import Penalties
 from .session import Session, normalize
@@ -149,6 +153,15 @@ class FlashJob(Job):
     def __init__(self, session: Session, questions: list[FlashQuestion], stop_ids: frozenset[int]) -> None:
         super().__init__(session)
         self.stop_ids = stop_ids
+        self.questions = sorted(questions, key=lambda q: -q.priority)
+        self.cancelled = False
+        self.opened = False  # its forks were laid out where the session stood when it started
+        self.results: list[tuple[FlashQuestion, FlashAnswer]] = []
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Where its forks read (the reading cache, dual notes) and which questions fit there."""
+        session = self.session
         view = fork_view(session)  # the reading cache (and dual notes), positions after them
         self.base = view.base
         self.prefixes: tuple = view.prefixes
@@ -158,19 +171,28 @@ class FlashJob(Job):
         self.data_at = session.last_input_at or time.time()  # when the data it reads was accepted
         self.epoch = session.crop_epoch
         self.started = time.monotonic()
-        self.forks = []
+        self.forks: list[_Fork] = []
         self.skipped: list[FlashQuestion] = []
-        room = session.context_window - (self.base if self.pos0 is None else self.pos0)
-        for q in sorted(questions, key=lambda q: -q.priority):
+        room = session.context_window - self._at()
+        for q in self.questions:
             if len(q.question_ids) + 1 > room:
                 self.skipped.append(q)  # no room to answer at this length
                 continue
             need = len(q.question_ids) + min(q.max_tokens, room - len(q.question_ids))
             self.forks.append(_Fork(q, session.runner.new_cache(need)))
-        self.cancelled = False
-        self.results: list[tuple[FlashQuestion, FlashAnswer]] = []
-        if not self.forks:
-            self.done = True
+        self.done = not self.forks
+
+    def _at(self) -> int:
+        """The position of the questions' first token."""
+        return self.base if self.pos0 is None else self.pos0
+
+    def room(self) -> Room | None:
+        """A windowed session always answers (sessions/window.py): before it starts, old input is
+        evicted until its longest question and answer fit after the notes and the reading cache in
+        the model's window, as for a question asked (a dual session's notes take positions too)."""
+        if self.opened or self.session.window is None:
+            return None
+        return Room(max(len(q.question_ids) + q.max_tokens for q in self.questions), answer_at=self._at())
 
     @property
     def reads_notes(self) -> bool:
@@ -192,6 +214,10 @@ class FlashJob(Job):
 
     def plan(self, budget: int) -> list[SeqStep]:
         s = self.session
+        if not self.opened:
+            self.opened = True
+            if s.crop_epoch != self.epoch and not s.closed:  # its room was made since it was queued
+                self._lay_out()
         if s.closed or s.crop_epoch != self.epoch:
             self.cancelled = self.done = True  # the prefix it read was rewritten: drop it
             return []

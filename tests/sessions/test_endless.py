@@ -183,20 +183,39 @@ def test_a_question_behind_in_time_is_pushed_stale(tiny):
 
 
 def test_an_evaluation_that_cannot_run_says_why(tiny):
+    """An unbounded session (`window: null`) cannot make room: a flash question that does not fit
+    beside its data is marked no_room at once. A windowed one (here as large as the model's
+    window) evicts old input first, as for a question asked, and answers."""
+    from streamer.sessions.errors import ContextOverflow
+
     runner, _ = tiny
     ctx = 300
     engine = driven(runner, max_context_tokens=ctx, step_tokens=256)
     sync = Sync(engine)
-    sid = sync.create_session(window={"max_tokens": ctx, "keep_tokens": ctx})["session_id"]
+    question = "Summarise every station and reading seen so far in detail, please?"
+    sid = sync.create_session(window=None)["session_id"]
     events = []
     sync.add_listener(sid, lambda e, p: events.append((e, p)))
-    sync.register_flash(sid, "Summarise every station and reading seen so far in detail, please?", max_tokens=4)
+    for row in weather_rows(40):
+        try:
+            sync.append(sid, row)
+        except ContextOverflow:
+            break
+    sync.register_flash(sid, question, max_tokens=4)
+    engine.run_until_idle()
+    no_room = [p for e, p in events if e == "flash.stale" and p["reason"] == "no_room"]
+    assert no_room and "does not fit" in no_room[0]["message"]  # (after `behind`: it came late)
+
+    sid = sync.create_session(window={"max_tokens": ctx, "keep_tokens": ctx})["session_id"]
+    events.clear()
+    sync.add_listener(sid, lambda e, p: events.append((e, p)))
+    sync.register_flash(sid, question, max_tokens=4)
     for row in weather_rows(40):
         sync.append(sid, row)
-    stale = [p for e, p in events if e == "flash.stale"]
-    assert stale and stale[0]["reason"] == "no_room" and "does not fit" in stale[0]["message"]
-    # a question still answers at the bound: the window makes room first
-    answer = result(engine, engine.query(sid, "Summarise every station and reading seen so far in detail, please?"))
+    assert not [p for e, p in events if e == "flash.stale"]
+    (q,) = engine.sessions[sid].flash.questions.values()
+    assert q.answer is not None and q.answer.data_version == engine.sessions[sid].data_version
+    answer = result(engine, engine.query(sid, question))
     assert answer.tokens
 
 

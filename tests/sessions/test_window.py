@@ -8,6 +8,7 @@ import pytest
 from helpers import Sync, driven, result
 
 from streamer.sessions.errors import ContextOverflow, InvalidRequest
+from streamer.sessions.forks import fork_view
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.runner import ModelRunner
 from streamer.sessions.sampling import SamplingParams
@@ -184,6 +185,33 @@ def test_dual_thinking_in_a_window_keeps_positions_bounded(tiny):
         assert u.positions[0] <= u.positions[1]
     answer = result(engine.engine, engine.engine.query(sid, "What colour?"))
     assert answer.tokens
+
+
+def test_flash_questions_of_a_dual_session_evict_like_a_question_when_the_notes_fill_the_window(tiny):
+    """Window 300 of a 400-token model and a thinking cache of 100 (+ a unit): the notes take
+    positions after the reading cache, past what is left for a flash question. Its evaluation
+    evicts old input first, as a question asked does, and answers the current data (it used to be
+    skipped as no_room, so its answer stayed behind the data for good); the next input reports
+    the inputs it evicted, so a replay evicts them too."""
+    runner, _ = tiny
+    engine = Sync(driven(runner, step_tokens=128, max_context_tokens=400))
+    sid = engine.create_session(window={"max_tokens": 300, "keep_tokens": 200},
+                                thinking={"mode": "dual", "unit_tokens": 6, "stop": "budget"})["session_id"]
+    rows = [f"{i:05d},station-{i % 4},{(i * 7) % 31 - 5}.5,{i % 50}\n" for i in range(24)]
+    for row in rows:  # run until idle after each: a note after every row
+        engine.append(sid, row)
+    session = engine.engine.sessions[sid]
+    question = "Which station is the coldest?"
+    need = len(session.question_ids(question)) + 4
+    assert fork_view(session).position + need > 400  # it cannot answer without evicting
+    dropped = session.window.dropped_inputs
+    engine.register_flash(sid, question, max_tokens=4)
+    engine.engine.run_until_idle()
+    (q,) = session.flash.questions.values()
+    assert q.stale is None and q.answer is not None and q.answer.data_version == session.data_version
+    assert session.window.dropped_inputs > dropped
+    assert fork_view(session).position + need <= 400
+    assert engine.append(sid, rows[0]).evicted_seqs
 
 
 def test_window_refusals(tiny):

@@ -26,6 +26,8 @@ async def settled_flash(peer, sid):
     """The session's flash answers once every one has seen the current data_version."""
     async def reached():
         state = (await peer.request({"type": "session.get", "session_id": sid}))["session"]
+        stuck = [q for q in state["flash"] if q.get("stale") in ("no_room", "failed")]
+        assert not stuck, f"flash questions that will not be answered: {stuck}"
         if all(q.get("data_version", -1) >= state["data_version"] for q in state["flash"]):
             return {q["flash_id"]: q.get("answer") for q in state["flash"]}
         return None
