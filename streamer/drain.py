@@ -164,7 +164,7 @@ async def adopt(engine, store, session_id: str, raw: list[dict], create, counter
     one that does not fit: the caller replays the log)."""
     address = handoff_address(session_id, raw)
     try:
-        blob = await store.get_blob(address)
+        blob = await store.get_blob(address, take=True)  # used once: a blob is as large as the session's cache
     except Exception as exc:  # the replay reads the same store: it says whether it answers
         return _fallback(counters, session_id, f"reading the blob: {exc}")
     if blob is None:
@@ -175,26 +175,10 @@ async def adopt(engine, store, session_id: str, raw: list[dict], create, counter
             engine.call(lambda: import_session(engine.core, session_id, blob), session_id=session_id))
     except Exception as exc:
         await asyncio.wrap_future(engine.close_session(session_id))
-        await _delete(store, address)
         return _fallback(counters, session_id, str(exc))
-    await _delete(store, address)  # used: a blob is as large as the session's cache
     counters["handoffs_imported"] += 1
     log.info("session %s adopted from its handoff blob (%d bytes, no input read again)", session_id, len(blob))
     return state
-
-
-async def _delete(store, address: str) -> None:
-    """Drop a used handoff blob (the store interface has no deletion: media blobs are never
-    deleted, they expire; this reaches the three stores' blob places directly)."""
-    try:
-        if store.kind == "redis":
-            await store._do(store.redis.delete(store.key("blob", address)))
-        elif store.kind == "file":
-            (store.root / "blobs" / address).unlink(missing_ok=True)
-        else:
-            store._blobs.pop(address, None)
-    except Exception as exc:  # it expires with the store's retention time anyway
-        log.warning("deleting a used handoff blob: %s", exc)
 
 
 def _fallback(counters: dict, session_id: str, why: str) -> None:

@@ -269,9 +269,10 @@ class RedisStore(Store):
         await self._do(self._put_blob(keys=[self.key("blob", digest), self.key("users", digest)],
                                       args=[text, max(1, int(self.retention_s))]))
 
-    async def get_blob(self, digest: str) -> bytes | None:
+    async def get_blob(self, digest: str, take: bool = False) -> bytes | None:
         _check_digest(digest)
-        text = await self._do(self.redis.get(self.key("blob", digest)))
+        key = self.key("blob", digest)
+        text = await self._do(self.redis.getdel(key) if take else self.redis.get(key))
         return base64.b64decode(text) if text is not None else None
 
     # ---- event log ------------------------------------------------------------------------

@@ -87,10 +87,18 @@ class FileStore(Store):
         except OSError as exc:
             raise StoreError(f"cannot write blob {digest[:16]} under {self.root}: {exc}") from None
 
-    async def get_blob(self, digest: str) -> bytes | None:
+    async def get_blob(self, digest: str, take: bool = False) -> bytes | None:
         _check_digest(digest)
+        path = self.root / "blobs" / digest
         try:
-            return (self.root / "blobs" / digest).read_bytes()
+            if take:  # renamed away first: of two readers only one gets it
+                taken = path.with_name(f".{digest}.{os.getpid()}.{id(path)}.taken")
+                os.rename(path, taken)
+                try:
+                    return taken.read_bytes()
+                finally:
+                    taken.unlink(missing_ok=True)
+            return path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:

@@ -155,9 +155,11 @@ class Store:
         self._blobs[digest] = (data, time.time())
         _drop_expired_blobs(self)
 
-    async def get_blob(self, digest: str) -> bytes | None:
+    async def get_blob(self, digest: str, take: bool = False) -> bytes | None:
+        """The blob at `digest`, or None. `take`: it is dropped as it is read (a drain's handoff
+        blob, used once: of two readers only one gets it)."""
         _check_digest(digest)
-        entry = self._blobs.get(digest)
+        entry = self._blobs.pop(digest, None) if take else self._blobs.get(digest)
         return entry[0] if entry is not None else None
 
     # ---- directory ------------------------------------------------------------------------

@@ -218,6 +218,20 @@ async def _blob_expiry(store):
     store.expire()
     assert await store.get_blob(_digest(old)) is None and await store.get_blob(_digest(named)) is None
     assert await store.get_blob(_digest(new)) == new
+    await _taken_once(store)
+
+
+async def _taken_once(store):
+    """A blob read with `take` (a drain's handoff blob) is gone once read: one of two readers
+    gets it, the other None."""
+    handoff = b"a handoff blob"
+    await store.claim("h")  # named by a log (with retention 0 a loose blob expires as it is put)
+    await store.append("h", {"kind": "create"}, n=1, rid="h1")
+    await store.append("h", {"kind": "frame", "text": "", "blob": _digest(handoff), "frame_tokens": 4}, n=2, rid="h2")
+    await store.put_blob(_digest(handoff), handoff)
+    got = await asyncio.gather(store.get_blob(_digest(handoff), take=True), store.get_blob(_digest(handoff), take=True))
+    assert sorted(got, key=lambda b: b is None) == [handoff, None]
+    assert await store.get_blob(_digest(handoff)) is None
 
 
 def test_memory_store_keeps_named_blobs_and_expires_the_rest():
@@ -352,6 +366,7 @@ def test_redis_store_persists_named_blobs_and_compacts_atomically(redis_url):
         assert 0 < await ttl(shared) <= 60
         await store.closed("s")
         assert 0 < await ttl(new) <= 60
+        await _taken_once(store)
         await store.close()
 
     asyncio.run(run())
