@@ -190,7 +190,7 @@ async def attacks_main(args) -> int:
 
     from transformers import AutoTokenizer
 
-    from streamer.server import ServerConfig, StreamerServer
+    from streamer.server import ServerConfig, StreamerServer, freeze_heap
     from streamer.sessions.engine import Engine, EngineLimits
     from streamer.sessions.models import build_tiny_model, embedded_model_dir
     from streamer.sessions.runner import ModelRunner
@@ -203,6 +203,7 @@ async def attacks_main(args) -> int:
     lm = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=5, max_positions=4096)
     engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name), EngineLimits(max_context_tokens=4096)).start()
     server = await StreamerServer(engine, ServerConfig(port=0)).start()
+    freeze_heap()  # as `streamer serve` does once it has started (streamer.server.run_server)
     url = f"ws://127.0.0.1:{server.port}"
     only = [a for a in (args.only.split(",") if args.only else ATTACKS)]
     phases: dict[str, list[float]] = {}

@@ -9,8 +9,9 @@ Limits: every byte read from the socket (any frame, valid or not, and the handsh
 the byte rate bucket as it arrives; a connection in deficit is not read until the deficit is
 paid (TCP pushes back on the client), and one held back longer than `byte_throttle_s` a minute
 is closed (byte_rate_limited, 1008). Every frame, before it is parsed, takes from the message
-rate bucket and from the server-wide `MessageBudget` (a fair share per sending connection when
-the server is busy); a frame over them is dropped unparsed. Refused and invalid frames take
+rate bucket (a frame over it is dropped unparsed) and from the server-wide `MessageBudget`
+(a fair share per sending connection: while the budget is spent, a connection over its share
+is slowed to it, not read meanwhile). Refused and invalid frames take
 from a third bucket; a connection that empties it is closed (rate_limited, 1008). Then the
 shutdown check. Sockets are counted per client address, per API key and in all by the
 `ConnectionGate` (the caps are checked at the handshake).
@@ -426,6 +427,9 @@ class Connection:
         if (refusal := self.over_rate()) is not None:
             self.strike(refusal)
             return
+        await self.fair_share()
+        if self.outbox.dropping is not None:
+            return
         if isinstance(frame, InvalidText):
             self.strike(self.proto.protocol_error(self.proto.invalid_utf8(frame.exc)))
             return
@@ -453,21 +457,27 @@ class Connection:
             await self.peer.media.throttle(cmd)
 
     def over_rate(self) -> str | None:
-        """The error for a frame over the connection's message rate, or over its fair share of
-        the server's message budget while the server is busy (the frame is then not even parsed,
-        so the error has no `reply_to`)."""
+        """The error for a frame over the connection's own message rate (the frame is then not
+        even parsed, so the error has no `reply_to`)."""
         cfg = self.config
         if not self.messages.take():
             self.svc.edge["rate_limited"] += 1
             return self.proto.error("rate_limited", f"more than {cfg.messages_per_s:g} messages/s (burst "
                                     f"{cfg.messages_burst}) on this connection; the message was not processed")
-        budget = self.budget
-        if budget is not None and not budget.take(id(self), self.share):
-            self.svc.edge["server_busy"] += 1
-            return self.proto.error("rate_limited", f"the server is busy: its budget of {budget.rate:g} messages/s "
-                                    f"is spent and this connection is over its fair share ({budget.share():.3g}/s); "
-                                    "the message was not processed")
         return None
+
+    async def fair_share(self) -> None:
+        """While the server's message budget is spent, a connection over its fair share of it is
+        slowed to that share: its frame waits, and nothing more is read from it meanwhile (TCP
+        pushes back on the client), so a group of connections each under its own rate costs
+        the server its budget at most, and no refusals to write either."""
+        budget = self.budget
+        if budget is None or budget.take(id(self), self.share):
+            return
+        self.svc.edge["server_busy"] += 1
+        share = self.share
+        while self.outbox.dropping is None and not budget.take(id(self), share):
+            await asyncio.sleep(max(0.001, (1.0 - share.level) / max(share.rate, 1e-3)))
 
     def strike(self, error: str) -> None:
         """Send the error for a refused or invalid frame, while the connection's allowance of

@@ -35,7 +35,7 @@ EDGE_COUNTERS = {
                   "frame by its decoded size)",
     "byte_throttled": "Times reading a client paused for its byte rate",
     "byte_rate_closed": "Connections closed for staying over their byte rate",
-    "server_busy": "Messages refused beyond a connection's fair share of the server's message budget",
+    "server_busy": "Times a connection was slowed to its fair share of the server's busy message budget",
     "connections_refused_address": "Handshakes refused: too many connections from the client's address",
     "connections_refused_key": "Handshakes refused: too many connections with the API key",
     "connections_refused_server": "Handshakes refused: the server at max_connections",

@@ -6,6 +6,7 @@ budget is shared fairly, so connections each under their own limit cannot take a
 share. 127.0.0.2 is a second loopback client address (the client socket is bound to it)."""
 
 import asyncio
+import contextlib
 import json
 import resource
 import socket
@@ -210,10 +211,9 @@ def test_the_soft_open_file_limit_is_raised_at_start(engine):
 # ---- the server's message budget --------------------------------------------------------------
 
 def test_the_message_budget_is_shared_fairly(engine):
-    """Three connections, each far under its own message rate, flood the server; past the
-    server's budget they are refused (rate_limited, 'the server is busy') beyond their fair
-    share, each still gets some through, and a bystander within its share gets every request
-    answered."""
+    """Three connections, each far under its own message rate, flood the server past its
+    budget: each is slowed to its fair share (nothing refused: every request is answered in
+    the end), and a bystander within its share is answered while they still wait."""
 
     async def test(url, server):
         bystander = await connect_from(url, "127.0.0.2")
@@ -221,21 +221,29 @@ def test_the_message_budget_is_shared_fairly(engine):
         flooders = [await connect_from(url) for _ in range(3)]
         sids = [await f.create() for f in flooders]
         for f, sid in zip(flooders, sids):  # every frame in flight before the bystander asks
-            for i in range(150):
+            for i in range(FLOOD):
                 await f.send({"type": "session.get", "session_id": sid, "event_id": f"g{i}"})
         answered = [await bystander.request({"type": "session.get", "session_id": mine}) for _ in range(4)]
         assert all(a["type"] == "state" for a in answered), answered
+        waiting = 0  # the flooders' requests not answered yet when the bystander was done
         for f in flooders:
-            replies = [await f.recv() for _ in range(150)]
-            busy = [r for r in replies if r["type"] == "error"]
-            assert all(r["error"]["code"] == "rate_limited" and "server is busy" in r["error"]["message"]
-                       and r["error"]["recoverable"] for r in busy), busy[:3]
-            assert busy and len(busy) < 150  # refused beyond its share, not starved
+            replies = []
+            with contextlib.suppress(TimeoutError):
+                while len(replies) < FLOOD:
+                    replies.append(await f.recv(timeout=0.02))
+            waiting += FLOOD - len(replies)
+            replies += [await f.recv() for _ in range(FLOOD - len(replies))]
+            assert [r["type"] for r in replies] == ["state"] * FLOOD, [r for r in replies if r["type"] != "state"][:3]
+            assert [r["reply_to"] for r in replies] == [f"g{i}" for i in range(FLOOD)]
+        assert waiting > 0, "the flood was answered before the bystander: nothing was slowed"
         assert server.edge["server_busy"] >= 3 and server.edge["rate_limited"] == 0
         await bystander.still_serving(mine)
 
     serve(engine, test, server_messages_per_s=40, server_messages_burst=40, messages_per_s=1000,
           messages_burst=1000, refused_burst=100_000, refused_per_s=100_000)
+
+
+FLOOD = 60  # requests each flooder sends at once: at the budget of 40/s, ~4 s to answer all
 
 
 # ---- idle connections cost no CPU ------------------------------------------------------------
