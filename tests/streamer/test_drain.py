@@ -9,6 +9,7 @@ In-process: while draining, `/healthz` answers 503 and new sessions are refused 
 
 import asyncio
 import json
+import re
 import signal
 import urllib.request
 
@@ -72,6 +73,9 @@ def test_sigterm_hands_the_session_to_the_other_worker_with_its_kv(redis_url):
             assert await closed_by(peer) == 1001
             assert a.proc.wait(GRACE_S + 10) == 0  # exited within its grace period
             assert any("1 sessions handed over" in line for line in a.output), a.output[-20:]
+            # a serving process freezes its started heap (full collections walk only what came since)
+            assert any(re.search(r"garbage collector: [1-9]\d{4,} objects of the started server frozen", line)
+                       for line in a.output), a.output[:20]
 
             moved = await raw(b.url)
             resumed = await moved.request({"type": "session.resume", "session_id": sid,
