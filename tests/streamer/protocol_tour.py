@@ -342,8 +342,9 @@ async def ends_and_closes(rec: Recorder, peer: Peer, url: str) -> None:
 
 
 async def endless_tour(peer: Peer) -> None:
-    """A small window evicts (`evicted_seqs`); a window as large as the model's leaves a long
-    flash question no room (`flash.stale`, reason no_room); `window: null` is unbounded."""
+    """A small window evicts (`evicted_seqs`); an unbounded session (`window: null`) leaves a
+    long flash question no room (`flash.stale`, reason no_room) and refuses input past the
+    model's window (`context_overflow`)."""
     created = await peer.ok({"type": "session.create", "window": {"max_tokens": 160, "keep_tokens": 120}},
                             "session.created")
     sid = created["session_id"]
@@ -353,18 +354,19 @@ async def endless_tour(peer: Peer) -> None:
             break
     assert ack.get("evicted_seqs"), ack
     ctx = created["session"]["context_window"]
-    full = await peer.ok({"type": "session.create", "window": {"max_tokens": ctx, "keep_tokens": ctx},
+    full = await peer.ok({"type": "session.create", "window": None,
                           "flash": [{"question": "Tell me all of it. " * 25, "max_tokens": 4}]}, "session.created")
     await peer.ok({"type": "input.text.append", "session_id": full["session_id"], "text": "word " * 60}, "input.ack")
     await peer.of("flash.updated", session_id=full["session_id"])  # answered while there is room
     for _ in range(ctx // 60 + 2):
-        await peer.ok({"type": "input.text.append", "session_id": full["session_id"], "text": "word " * 60},
-                      "input.ack")
+        reply = await peer.request({"type": "input.text.append", "session_id": full["session_id"],
+                                    "text": "word " * 60})
+        if reply["type"] == "error":
+            assert reply["error"]["code"] == "context_overflow", reply
+            break
     stale = await peer.of("flash.stale", reason="no_room")
     assert stale["answer_version"] >= 1, stale
-    unbounded = await peer.ok({"type": "session.create", "window": None}, "session.created")
-    assert unbounded["session"]["window"] is None
-    for done in (sid, full["session_id"], unbounded["session_id"]):
+    for done in (sid, full["session_id"]):
         await peer.ok({"type": "session.close", "session_id": done}, "session.closed")
 
 

@@ -72,13 +72,18 @@ def test_default_windows_null_windows_and_stale_reasons(tiny_engine):
         assert updated["type"] == "session.updated" and updated["session"]["window"]["max_tokens"] == 300
         lifted = await peer.request({"type": "session.update", "session_id": sid, "window": None})
         assert lifted["session"]["window"] is None
-        # a window as large as the model's leaves no room for a long flash question: it says so
+        # an unbounded session leaves no room for a long flash question once its data fills up:
+        # it says so (a windowed one evicts old input first and answers)
         ctx = bounded["session"]["context_window"]
-        full = await peer.request({"type": "session.create", "window": {"max_tokens": ctx, "keep_tokens": ctx},
+        full = await peer.request({"type": "session.create", "window": None,
                                    "flash": [{"question": "Describe all of it. " * 30, "max_tokens": 4}]})
         fid = full["session"]["flash"][0]["flash_id"]
         for _ in range(ctx // 80 + 2):
-            await peer.request({"type": "input.text.append", "session_id": full["session_id"], "text": "word " * 80})
+            reply = await peer.request({"type": "input.text.append", "session_id": full["session_id"],
+                                        "text": "word " * 80})
+            if reply["type"] == "error":
+                assert reply["error"]["code"] == "context_overflow", reply
+                break
         stale = await peer.until("flash.stale")
         event = stale[-1]
         assert event["flash_id"] == fid and event["reason"] == "no_room" and "does not fit" in event["message"]
