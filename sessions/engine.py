@@ -68,8 +68,8 @@ class EngineLimits:
     max_context_tokens: int | None = None  # per session; default: the model's window
     max_flash_per_session: int = 16
     window_tokens: int = 4096  # default bound of a session's reading cache (window.default_size)
-    flash_stale_versions: int = 8  # a flash answer this many versions behind its data is pushed as flash.stale
-    flash_stale_s: float = 20.0  # ... or this many seconds behind
+    flash_stale_versions: int = 0  # a flash answer this many versions behind its data is pushed as flash.stale (0: off)
+    flash_stale_s: float = 5.0  # ... or this many seconds behind, or 4x what an evaluation of it takes if longer
     kv_budget_bytes: int | None = None  # the KV pool; default: half the memory available at start
     block_size: int = 16  # tokens per pool block
     share_prefix: bool = True  # sessions with the same system prompt share its full blocks

@@ -12,10 +12,13 @@ a revise, which rewrites the prefix, cancels it.
 
 Answers never go stale in silence. Questions are first evaluated after the first input (never
 on the bare framing). Each `flash.updated` carries `staleness_ms`: from the moment the data it
-saw was accepted to the push. A question whose last evaluation is more than
-`EngineLimits.flash_stale_versions` versions or `flash_stale_s` seconds behind the data gets
-one `flash.stale` (reason `behind`) and is then evaluated even while input is still queued; a
-question that cannot be evaluated says why at once (`no_room`: question and answer do not fit
+saw was accepted to the push. Behind is measured in time and in the question's own cost: an
+evaluation waits for the session's input queue to drain until its question is overdue (behind
+its data longer than 0.25 s or than an evaluation of it takes), then runs beside the feed;
+a question behind longer than `EngineLimits.flash_stale_s` or four times its cost (or more than
+`flash_stale_versions` versions, where that is set) gets one `flash.stale` (reason `behind`). A
+fast feed whose answers keep up is many versions behind at every moment and is never reported
+stale for it. A question that cannot be evaluated says why at once (`no_room`: question and answer do not fit
 the model's window of an unbounded session; `failed`: the evaluation raised). The next
 evaluation clears the mark. A windowed session always answers: an evaluation evicts old input
 first where its questions would not fit (`FlashJob.room`, as a question asked does), also when
@@ -88,6 +91,7 @@ class FlashQuestion:
     evaluated_version: int = -1
     last_eval_at: float = 0.0
     evaluations: int = 0
+    cost_s: float = 0.0  # what an evaluation of it takes, from queued to answered (smoothed)
     stale: str | None = None  # why it is marked stale (behind | no_room | failed), until its next evaluation
     history: deque = field(default_factory=lambda: deque(maxlen=32))
 
@@ -100,6 +104,7 @@ class FlashQuestion:
         self.evaluated_version = max(self.evaluated_version, result.data_version)
         self.last_eval_at = time.monotonic()
         self.evaluations += 1
+        self.cost_s = result.eval_s if self.evaluations == 1 else 0.7 * self.cost_s + 0.3 * result.eval_s
         self.history.append((result.data_version, result.logit_gap, result.mean_prob, result.evaluated_at))
         new = normalize(result.text)
         if self.answer is not None and new == normalize(self.answer.text):
@@ -200,9 +205,9 @@ class FlashJob(Job):
 
     @property
     def urgent(self) -> bool:
-        """A question it evaluates is marked stale: it is as urgent as the input it is behind
-        (ranked first in the ingest class), even if it was queued before the mark."""
-        return any(f.q.stale == "behind" for f in self.forks if not f.done)
+        """A question it evaluates is overdue (or marked stale): it is as urgent as the input it
+        is behind (ranked first in the ingest class), even if it was queued before that."""
+        return any(overdue(self.session, f.q) for f in self.forks if not f.done)
 
     @property
     def priority(self) -> Priority:
@@ -338,10 +343,33 @@ def validate_registration(session: Session, question: str, flash_id: str | None,
                          min_interval_s, confirm, penalties)
 
 
+# How far behind its data a question may fall, in time and in its own evaluation cost (a
+# question that takes 2 s to answer is always ~2 s behind a fast feed and still keeps up):
+OVERDUE_MIN_S = 0.25  # overdue past max(this, OVERDUE_COST x its cost): evaluated beside queued input
+OVERDUE_COST = 1.0  # (so on a steady feed a question is re-evaluated about as often as it can be)
+STALE_COST = 4.0  # flash.stale (behind) past max(flash_stale_s, this x its cost)
+
+
+def behind_limit_s(q: FlashQuestion, factor: float, floor_s: float) -> float:
+    """How long `q` may stay behind its data: `floor_s`, or `factor` times its evaluation cost
+    (plus the interval it asked for), whichever is longer."""
+    return max(floor_s, factor * q.cost_s + q.min_interval_s)
+
+
+def overdue(session: Session, q: FlashQuestion) -> bool:
+    """Whether `q` fell so far behind that its evaluation no longer waits for the input queue
+    to drain: marked stale, or behind longer than `behind_limit_s(q, OVERDUE_COST, OVERDUE_MIN_S)`."""
+    if q.stale == "behind":
+        return True
+    if q.evaluated_version >= session.data_version:
+        return False
+    return session.staleness_since(q.evaluated_version) > behind_limit_s(q, OVERDUE_COST, OVERDUE_MIN_S)
+
+
 def next_evaluation(session: Session, lanes: Lanes, stop_ids: frozenset[int]) -> FlashJob | None:
     """One batched evaluation of the session's due questions (their last evaluation is older
     than the data and their interval), when the session is idle: no input waiting (unless a
-    question is already marked stale: then it runs beside the input), no reasoning unit running
+    question is overdue: then it runs beside the input), no reasoning unit running
     (a unit may drop notes a flash fork would read). Whether a due unit goes first is the
     background rule's choice (`background.start`)."""
     sid = session.id
@@ -353,7 +381,7 @@ def next_evaluation(session: Session, lanes: Lanes, stop_ids: frozenset[int]) ->
     due = [q for q in session.flash.questions.values() if q.due(session.data_version, now)]
     if not due:
         return None
-    if (session.pending_tokens or lanes.input_waiting(sid)) and not any(q.stale == "behind" for q in due):
+    if (session.pending_tokens or lanes.input_waiting(sid)) and not any(overdue(session, q) for q in due):
         return None
     return FlashJob(session, due, stop_ids)
 
@@ -373,16 +401,21 @@ def mark_stale(session: Session, q: FlashQuestion, reason: str, message: str) ->
 
 
 def check_stale(session: Session, max_versions: int, max_seconds: float) -> None:
-    """Mark the questions whose last evaluation is too far behind the data (`flash.stale`)."""
+    """Mark the questions whose last evaluation is too far behind the data (`flash.stale`): more
+    than `behind_limit_s(q, STALE_COST, max_seconds)` in time, or more than `max_versions`
+    versions where that limit is set (0: time only, the default: a fast feed whose answers keep
+    up is many versions behind at every moment, and that says nothing)."""
     version = session.data_version
     for q in session.flash.questions.values():
         if q.stale is not None or q.evaluated_version >= version or version == 0:
             continue
         versions = version - max(0, q.evaluated_version)
         seconds = session.staleness_since(q.evaluated_version)
-        if versions > max_versions or seconds > max_seconds:
+        limit_s = behind_limit_s(q, STALE_COST, max_seconds)
+        if (max_versions and versions > max_versions) or seconds > limit_s:
+            limits = f"{max_versions} versions, {limit_s:.3g} s" if max_versions else f"{limit_s:.3g} s"
             mark_stale(session, q, "behind", f"the answer is {versions} versions and {seconds:.1f} s behind the "
-                       f"data (limits: {max_versions} versions, {max_seconds:g} s)")
+                       f"data (limit: {limits}; an evaluation of it takes {q.cost_s:.3g} s)")
 
 
 def next_stale_s(session: Session, max_seconds: float) -> float | None:
@@ -390,7 +423,8 @@ def next_stale_s(session: Session, max_seconds: float) -> float | None:
     soonest = None
     for q in session.flash.questions.values():
         if q.stale is None and 0 < session.data_version and q.evaluated_version < session.data_version:
-            wait = max(0.0, max_seconds - session.staleness_since(q.evaluated_version))
+            limit_s = behind_limit_s(q, STALE_COST, max_seconds)
+            wait = max(0.0, limit_s - session.staleness_since(q.evaluated_version))
             soonest = wait if soonest is None else min(soonest, wait)
     return soonest
 

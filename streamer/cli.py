@@ -52,11 +52,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-tokens", type=positive_int, default=4096,
                         help="default bound of a session's reading cache (sinks + recent inputs; at most the model's "
                              "window minus room for a question and its answer; default: %(default)s)")
-    parser.add_argument("--flash-stale-versions", type=positive_int, default=8,
-                        help="push flash.stale when an answer is more than this many data versions behind "
-                             "(default: %(default)s)")
-    parser.add_argument("--flash-stale-s", type=positive_float, default=20.0,
-                        help="... or more than this many seconds behind (default: %(default)s)")
+    parser.add_argument("--flash-stale-s", type=positive_float, default=5.0,
+                        help="push flash.stale when an answer is more than this many seconds behind its data, "
+                             "or four times what an evaluation of it takes if that is longer (default: %(default)s)")
+    parser.add_argument("--flash-stale-versions", type=nonnegative_int, default=0,
+                        help="... or more than this many data versions behind (default: %(default)s, off)")
     parser.add_argument("--kv-budget-mb", type=positive_int, default=None,
                         help="KV pool size in MiB (default: half the memory available at start)")
     parser.add_argument("--admission", choices=["refuse", "queue"], default="refuse",

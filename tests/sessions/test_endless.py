@@ -7,6 +7,7 @@ import random
 import pytest
 from helpers import Sync, driven, result
 
+from streamer.sessions.flash import next_stale_s
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.runner import ModelRunner
 
@@ -162,6 +163,40 @@ def test_a_question_far_behind_is_pushed_stale_then_caught_up(tiny):
 
 
 def test_a_question_behind_in_time_is_pushed_stale(tiny):
+    """Past `flash_stale_s` (or 4x what an evaluation of the question takes, if longer) behind
+    its data, a question is pushed stale once; the engine wakes up for that limit."""
+    import time
+
+    runner, _ = tiny
+    engine = driven(runner, flash_stale_s=0.2)
+    sync = Sync(engine)
+    sid = sync.create_session()["session_id"]
+    sync.append(sid, "a\n")
+    sync.register_flash(sid, "What?", max_tokens=3)
+    engine.run_until_idle()
+    q = engine.sessions[sid].flash.questions["f1"]
+    assert q.evaluations == 1 and q.cost_s > 0
+    events = []
+    sync.add_listener(sid, lambda e, p: events.append((e, p)))
+    engine.append(sid, "b\n")
+    engine.step()  # the input is read; the evaluation it makes due is not run (no step after it)
+    assert engine.sessions[sid].data_version == 2 and q.evaluated_version == 1
+    wait = next_stale_s(engine.sessions[sid], 0.2)  # what the engine's next_wakeup includes
+    assert wait is not None and wait <= max(0.2, 4 * q.cost_s)
+    time.sleep(wait + 0.05)
+    engine.run_until_idle()
+    stale = [p for e, p in events if e == "flash.stale"]
+    assert len(stale) == 1 and stale[0]["reason"] == "behind" and stale[0]["seconds_behind"] >= 0.2
+    assert q.evaluated_version == 2 and q.stale is None  # evaluated right after, which clears it
+    engine.run_until_idle()
+    assert len([e for e, _ in events if e == "flash.stale"]) == 1  # once per episode
+
+
+def test_an_interval_or_a_slow_evaluation_is_not_reported_stale(tiny):
+    """The time limit counts the question's own cost: a question asked to run at most every
+    30 s, or whose evaluations take long, is not stale for being behind by that much."""
+    import time
+
     runner, _ = tiny
     engine = driven(runner, flash_stale_s=0.2)
     sync = Sync(engine)
@@ -171,15 +206,39 @@ def test_a_question_behind_in_time_is_pushed_stale(tiny):
     events = []
     sync.add_listener(sid, lambda e, p: events.append((e, p)))
     sync.append(sid, "b\n")
-    wait = engine.core.next_wakeup()
-    assert wait is not None and wait <= 0.2  # the engine wakes up for the staleness limit
+    time.sleep(0.3)
+    engine.run_until_idle()
+    assert not [p for e, p in events if e == "flash.stale"]
+    assert engine.core.next_wakeup() > 25  # the next thing due: the interval, ~30 s away
+
+
+def test_an_overdue_question_runs_beside_a_saturating_feed(tiny):
+    """With no version limit (the default), a feed that keeps the input queue full still gets
+    its question evaluated once it is overdue in time (0.25 s, or its cost), beside the queued
+    input; and a feed whose answers keep up is never reported stale, however many versions
+    pass between evaluations."""
     import time
-    time.sleep(wait + 0.05)
+
+    runner, _ = tiny
+    engine = driven(runner, step_tokens=32)
+    sync = Sync(engine)
+    sid = sync.create_session()["session_id"]
+    sync.append(sid, "00:00:00,north,1.0,5\n")
+    sync.register_flash(sid, "Warmest?", max_tokens=4)
     engine.run_until_idle()
-    stale = [p for e, p in events if e == "flash.stale"]
-    assert len(stale) == 1 and stale[0]["reason"] == "behind" and stale[0]["seconds_behind"] >= 0.2
-    engine.run_until_idle()
-    assert len([e for e, _ in events if e == "flash.stale"]) == 1  # once per episode
+    events, waiting = [], []
+    sync.add_listener(sid, lambda e, p: events.append((e, p)))
+    sync.add_listener(sid, lambda e, p: e in ("flash.updated", "flash.evaluated") and waiting.append(
+        engine.core.lanes.input_waiting(sid)))
+    rows = list(weather_rows(400))[1:]
+    deadline = time.monotonic() + 120
+    while not any(waiting) and time.monotonic() < deadline:
+        for row in rows[:8]:  # more than a step reads: input is always waiting
+            engine.append(sid, row)
+        rows = rows[8:] or list(weather_rows(400))
+        engine.step()
+    assert any(waiting), "the question waited for the input queue to drain"
+    assert not [p for e, p in events if e == "flash.stale"]  # overdue is not stale: nothing pushed
 
 
 def test_an_evaluation_that_cannot_run_says_why(tiny):
