@@ -323,3 +323,69 @@ async def _kill_and_check(cluster, tap):
     await watcher.close()
     for s in [*sessions, control]:
         await s.close()
+
+
+# ---- the JavaScript SDK through the proxy ----------------------------------------------------------
+
+SDK_FEED = """(async () => {
+  const m = await import("/sdk/streamer.js");
+  const c = await m.StreamerClient.connect(URL_, { session: SID_, minBackoffMs: 100, maxBackoffMs: 400 });
+  const s = await c.createSession();
+  const t = window.t = { client: c, session: s, acks: 0, done: false, results: null, resumed: null };
+  c.on("resumed", (ev) => { t.resumed = ev.event; });
+  (async () => {
+    const acks = [];
+    for (let i = 0; i < N_; i++) {
+      acks.push(s.append(`piece ${i}. `).then((ack) => { t.acks += 1; return ack; }));
+      await new Promise((resolve) => setTimeout(resolve, 25));  // a steady producer
+    }
+    const settled = await Promise.allSettled(acks);
+    t.results = settled.map((r) => r.status === "fulfilled" ? (r.value.duplicate ? "duplicate" : "ack")
+                                                           : "error " + r.reason.code);
+    t.done = true;
+  })();
+  return s.id;
+})()"""
+
+
+def test_the_js_sdk_fails_over_through_the_same_url(cluster):
+    """The browser SDK, given the session's id (`session:` option: ?session=<id> on the URL the
+    proxy hashes), streams through the proxy; kill -9 of the worker that owns its session: it
+    reconnects through the same URL (never pinned to a worker's own address), resumes on the
+    worker that adopted the session and resends what was not acked: every input is in the log
+    once, in order."""
+    from browserutil import Chromium
+
+    n, sid = 80, f"js-{uuid.uuid4().hex[:6]}"
+    alive = [i for i, w in enumerate(cluster.workers) if w.poll() is None]
+    assert len(alive) >= 2, "the cluster needs a worker left to adopt the session"
+    browser = Chromium().start()
+
+    async def run():
+        async with browser.page() as page:
+            await page.navigate(cluster.url.replace("ws://", "http://") + "/sdk/streamer.js")
+            created = await page.eval(SDK_FEED.replace("URL_", json.dumps(cluster.url + "/"))
+                                      .replace("SID_", json.dumps(sid)).replace("N_", str(n)))
+            assert created == sid
+            await page.wait_for("window.t.acks >= 10", 60)
+            victim = owner(cluster, sid)
+            cluster.kill(int(victim.split("-")[0][1:]) - 1)  # SIGKILL with inputs in flight
+            await page.wait_for("window.t.done", 240)
+            home = await page.eval("[window.t.client.url, window.t.client.homeUrl]")
+            return (victim, await page.eval("window.t.results"), await page.eval("window.t.resumed"),
+                    await page.eval("window.t.session.unacked.size"), home)
+
+    try:
+        victim, results, resumed, unacked, (url, home) = asyncio.run(run())
+    finally:
+        browser.stop()
+    assert all(r in ("ack", "duplicate") for r in results), results
+    assert unacked == 0 and resumed is not None and resumed["session_id"] == sid
+    assert url == home and f"session={sid}" in url  # it went back through the proxy's URL
+    adopter = owner(cluster, sid)
+    assert adopter not in (victim, None) and resumed["worker"] == adopter
+    entries = cluster.redis.xrange(f"{cluster.prefix}:log:{sid}")
+    appends = [json.loads(f["r"]) for _, f in entries]
+    appends = [r for r in appends if r.get("kind") == "append"]
+    assert [r["text"] for r in appends] == [f"piece {i}. " for i in range(n)]  # every input once, in order
+    assert [r["client_seq"] for r in appends] == list(range(1, n + 1))
