@@ -1,8 +1,9 @@
 """Flash staleness on a paced feed, and whether `flash.stale` says anything: a session with two
 flash questions is fed one CSV row every 1/R s over the websocket for --seconds (R = 2 and 10
 rows/s, as a sensor would), on the embedded model. Every evaluation's `staleness_ms` (from the
-moment the data it saw was accepted to its answer, in `flash.updated` and `flash.evaluated`)
-gives p50/p95, and the `flash.stale` events pushed are counted.
+moment the data it saw was accepted to its answer, in `flash.updated` and `flash.evaluated`,
+read by an engine listener) gives p50/p95, and the `flash.stale` events the client got are
+counted.
 
 Side by side in one run, each phase on a fresh engine over the same model: the staleness rule
 of the service (time, scaled to the question's own evaluation cost: `flash_stale_s` 5 s or 4x
@@ -47,9 +48,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def paced(url: str, rate: float, seconds: float) -> dict:
-    """Feed one row every 1/rate s for `seconds`; the staleness of every evaluation and the
-    flash.stale events."""
+async def paced(engine, url: str, rate: float, seconds: float) -> dict:
+    """Feed one row every 1/rate s for `seconds`; the staleness of every evaluation (an engine
+    listener: the client hears `flash.updated` only, when an answer changes) and the
+    flash.stale events the client got."""
     async with connect(url, max_size=None) as ws:
         async def request(msg: dict) -> dict:
             msg = {**msg, "event_id": f"e{time.monotonic_ns()}"}
@@ -62,9 +64,18 @@ async def paced(url: str, rate: float, seconds: float) -> dict:
         created = await request({"type": "session.create",
                                  "flash": [{"question": q, "max_tokens": 8} for q in QUESTIONS]})
         sid = created["session_id"]
+        staleness, stale, evaluations, changed = [], [], 0, 0
+        started = stop_at = float("inf")
+
+        def evaluated(event: str, payload: dict) -> None:  # on the engine thread
+            nonlocal evaluations
+            if event in ("flash.updated", "flash.evaluated") and started <= time.monotonic() < stop_at:
+                staleness.append(payload["staleness_ms"] / 1000)
+                evaluations += 1
+
+        engine.add_listener(sid, evaluated)
         for i in range(40):  # some data before the clock starts: the questions have something to read
             await request({"type": "input.text.append", "session_id": sid, "text": row(i)})
-        staleness, stale, evaluations = [], [], 0
         started = time.monotonic()
         stop_at = started + seconds
 
@@ -76,20 +87,19 @@ async def paced(url: str, rate: float, seconds: float) -> dict:
                 await asyncio.sleep(max(0.0, started + (i - 40) / rate - time.monotonic()))
 
         async def read() -> None:
-            nonlocal evaluations
+            nonlocal changed
             while time.monotonic() < stop_at + 5:
                 try:
                     event = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
                 except TimeoutError:
                     continue
-                if event["type"] in ("flash.updated", "flash.evaluated") and time.monotonic() < stop_at:
-                    staleness.append(event["staleness_ms"] / 1000)
-                    evaluations += 1
+                if event["type"] == "flash.updated" and time.monotonic() < stop_at:
+                    changed += 1
                 elif event["type"] == "flash.stale" and time.monotonic() < stop_at:
                     stale.append(event)
 
         await asyncio.gather(feed(), read())
-        return {"staleness": staleness, "stale": stale, "evaluations": evaluations}
+        return {"staleness": staleness, "stale": stale, "evaluations": evaluations, "changed": changed}
 
 
 def main() -> None:
@@ -106,7 +116,7 @@ def main() -> None:
         async def run() -> dict:
             server = await StreamerServer(engine, ServerConfig(port=0)).start()
             try:
-                return await paced(f"ws://127.0.0.1:{server.port}", rate, args.seconds)
+                return await paced(engine, f"ws://127.0.0.1:{server.port}", rate, args.seconds)
             finally:
                 await server.stop()
 
@@ -117,7 +127,7 @@ def main() -> None:
         results[(rule, rate)] = r
         s = r["staleness"]
         reasons = sorted({e["reason"] for e in r["stale"]})
-        print(f"rule {rule:9s} {rate:4.0f} rows/s: {r['evaluations']:4d} evaluations, staleness p50 "
+        print(f"rule {rule:9s} {rate:4.0f} rows/s: {r['evaluations']:4d} answers ({r['changed']} changed), staleness p50 "
               f"{percentile(s, 0.5):.2f} s p95 {percentile(s, 0.95):.2f} s max {max(s, default=float('nan')):.2f} s, "
               f"flash.stale {len(r['stale'])} {reasons}", flush=True)
         if r["stale"]:
