@@ -245,3 +245,33 @@ async def fill(page, id_: str, value: str) -> None:
 
 async def click(page, id_: str) -> None:
     await page.eval(f"document.getElementById({json.dumps(id_)}).click()")
+
+
+def sdk_feed(url: str, n: int, session: str | None = None) -> str:
+    """A page script for a page served by streamer: the SDK connects to `url` (a short reconnect
+    backoff; `session`: the id a cluster's proxy routes on, which the new session takes), creates
+    a session and appends `n` pieces ("piece i. ") 25 ms apart, a steady producer. `window.t`
+    holds the client, the session, the acks so far, the `resumed` event, the appends sent before
+    the first close, and once done the results (ack, duplicate or error <code> each). The script
+    evaluates to the session id."""
+    options = {"minBackoffMs": 100, "maxBackoffMs": 400, **({"session": session} if session else {})}
+    return """(async () => {
+  const m = await import("/sdk/streamer.js");
+  const c = await m.StreamerClient.connect(URL_, OPTIONS_);
+  const s = await c.createSession();
+  const t = window.t = { client: c, session: s, acks: 0, done: false, resumed: null, results: null };
+  c.on("resumed", (ev) => { t.resumed = ev.event; });
+  c.on("close", () => { t.sentBeforeClose ??= c.stats.sent["input.text.append"]; });
+  (async () => {
+    const acks = [];
+    for (let i = 0; i < N_; i++) {
+      acks.push(s.append(`piece ${i}. `).then((ack) => { t.acks += 1; return ack; }));
+      await new Promise((resolve) => setTimeout(resolve, 25));  // a steady producer
+    }
+    const settled = await Promise.allSettled(acks);
+    t.results = settled.map((r) => r.status === "fulfilled" ? (r.value.duplicate ? "duplicate" : "ack")
+                                                           : "error " + r.reason.code);
+    t.done = true;
+  })();
+  return s.id;
+})()""".replace("URL_", json.dumps(url)).replace("OPTIONS_", json.dumps(options)).replace("N_", str(n))

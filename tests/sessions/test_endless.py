@@ -136,9 +136,10 @@ def test_dual_thinking_and_flash_share_idle_time(tiny):
     assert len(units) >= 10  # thinking was not starved either
 
 
-def test_a_question_far_behind_is_pushed_stale_then_caught_up(tiny):
-    runner, _ = tiny
-    engine = driven(runner, flash_stale_versions=3, step_tokens=32)
+def answered_once(runner, **limits):
+    """An engine (32-token steps), a session with one row and a flash question answered on it;
+    the session's events, and for each evaluation whether input was waiting as it finished."""
+    engine = driven(runner, step_tokens=32, **limits)
     sync = Sync(engine)
     sid = sync.create_session()["session_id"]
     sync.append(sid, "00:00:00,north,1.0,5\n")
@@ -148,6 +149,12 @@ def test_a_question_far_behind_is_pushed_stale_then_caught_up(tiny):
     sync.add_listener(sid, lambda e, p: events.append((e, p)))
     sync.add_listener(sid, lambda e, p: e in ("flash.updated", "flash.evaluated") and waiting.append(
         engine.core.lanes.input_waiting(sid)))
+    return engine, sid, events, waiting
+
+
+def test_a_question_far_behind_is_pushed_stale_then_caught_up(tiny):
+    runner, _ = tiny
+    engine, sid, events, waiting = answered_once(runner, flash_stale_versions=3)
     for row in list(weather_rows(40))[1:]:  # queued faster than read: input is always waiting
         engine.append(sid, row)
     for _ in range(30):
@@ -220,16 +227,7 @@ def test_an_overdue_question_runs_beside_a_saturating_feed(tiny):
     import time
 
     runner, _ = tiny
-    engine = driven(runner, step_tokens=32)
-    sync = Sync(engine)
-    sid = sync.create_session()["session_id"]
-    sync.append(sid, "00:00:00,north,1.0,5\n")
-    sync.register_flash(sid, "Warmest?", max_tokens=4)
-    engine.run_until_idle()
-    events, waiting = [], []
-    sync.add_listener(sid, lambda e, p: events.append((e, p)))
-    sync.add_listener(sid, lambda e, p: e in ("flash.updated", "flash.evaluated") and waiting.append(
-        engine.core.lanes.input_waiting(sid)))
+    engine, sid, events, waiting = answered_once(runner)
     rows = list(weather_rows(400))[1:]
     deadline = time.monotonic() + 120
     while not any(waiting) and time.monotonic() < deadline:

@@ -327,25 +327,6 @@ async def _kill_and_check(cluster, tap):
 
 # ---- the JavaScript SDK through the proxy ----------------------------------------------------------
 
-SDK_FEED = """(async () => {
-  const m = await import("/sdk/streamer.js");
-  const c = await m.StreamerClient.connect(URL_, { session: SID_, minBackoffMs: 100, maxBackoffMs: 400 });
-  const s = await c.createSession();
-  const t = window.t = { client: c, session: s, acks: 0, done: false, results: null, resumed: null };
-  c.on("resumed", (ev) => { t.resumed = ev.event; });
-  (async () => {
-    const acks = [];
-    for (let i = 0; i < N_; i++) {
-      acks.push(s.append(`piece ${i}. `).then((ack) => { t.acks += 1; return ack; }));
-      await new Promise((resolve) => setTimeout(resolve, 25));  // a steady producer
-    }
-    const settled = await Promise.allSettled(acks);
-    t.results = settled.map((r) => r.status === "fulfilled" ? (r.value.duplicate ? "duplicate" : "ack")
-                                                           : "error " + r.reason.code);
-    t.done = true;
-  })();
-  return s.id;
-})()"""
 
 
 def test_the_js_sdk_fails_over_through_the_same_url(cluster):
@@ -354,7 +335,7 @@ def test_the_js_sdk_fails_over_through_the_same_url(cluster):
     reconnects through the same URL (never pinned to a worker's own address), resumes on the
     worker that adopted the session and resends what was not acked: every input is in the log
     once, in order."""
-    from browserutil import Chromium
+    from browserutil import Chromium, sdk_feed
 
     n, sid = 80, f"js-{uuid.uuid4().hex[:6]}"
     alive = [i for i, w in enumerate(cluster.workers) if w.poll() is None]
@@ -364,8 +345,7 @@ def test_the_js_sdk_fails_over_through_the_same_url(cluster):
     async def run():
         async with browser.page() as page:
             await page.navigate(cluster.url.replace("ws://", "http://") + "/sdk/streamer.js")
-            created = await page.eval(SDK_FEED.replace("URL_", json.dumps(cluster.url + "/"))
-                                      .replace("SID_", json.dumps(sid)).replace("N_", str(n)))
+            created = await page.eval(sdk_feed(cluster.url + "/", n, session=sid))
             assert created == sid
             await page.wait_for("window.t.acks >= 10", 60)
             victim = owner(cluster, sid)

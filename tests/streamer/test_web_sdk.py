@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from browserutil import Chromium, media_flags
+from browserutil import Chromium, media_flags, sdk_feed
 from fakemedia import write_y4m
 from procutil import ServerProcess
 from wsutil import serve
@@ -147,27 +147,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RESEND = """(async () => {
-  const m = await import("/sdk/streamer.js");
-  const c = await m.StreamerClient.connect(URL_, { minBackoffMs: 100, maxBackoffMs: 400 });
-  const s = await c.createSession();
-  const t = window.t = { client: c, session: s, acks: 0, done: false, resumed: null, results: null };
-  c.on("resumed", (ev) => { t.resumed = ev.event; });
-  c.on("close", () => { t.sentBeforeClose ??= c.stats.sent["input.text.append"]; });
-  (async () => {
-    const acks = [];
-    for (let i = 0; i < N_; i++) {
-      acks.push(s.append(`piece ${i}. `).then((ack) => { t.acks += 1; return ack; }));
-      await new Promise((resolve) => setTimeout(resolve, 25));  // a steady producer
-    }
-    const settled = await Promise.allSettled(acks);
-    t.results = settled.map((r) => r.status === "fulfilled" ? (r.value.duplicate ? "duplicate" : "ack")
-                                                           : "error " + r.reason.code);
-    t.done = true;
-  })();
-  return s.id;
-})()"""
-
 
 def test_the_sdk_resends_what_a_restarted_server_lacks(chromium, tmp_path):
     n, port, store = 80, free_port(), tmp_path / "store"
@@ -179,7 +158,7 @@ def test_the_sdk_resends_what_a_restarted_server_lacks(chromium, tmp_path):
         try:
             async with chromium.page() as page:
                 await page.navigate(first.url.replace("ws://", "http://") + "/sdk/streamer.js")
-                sid = await page.eval(RESEND.replace("URL_", json.dumps(first.url + "/")).replace("N_", str(n)))
+                sid = await page.eval(sdk_feed(first.url + "/", n))
                 await page.wait_for("window.t.acks >= 10", 60)
                 await asyncio.to_thread(first.kill)  # SIGKILL with inputs in flight
                 await page.wait_for("!window.t.client.connected", 30)
