@@ -14,7 +14,8 @@ Answers never go stale in silence. Questions are first evaluated after the first
 on the bare framing). Each `flash.updated` carries `staleness_ms`: from the moment the data it
 saw was accepted to the push. Behind is measured in time and in the question's own cost: an
 evaluation waits for the session's input queue to drain until its question is overdue (behind
-its data longer than 0.25 s or than an evaluation of it takes), then runs beside the feed;
+its data longer than 0.25 s or than an evaluation of it takes), then runs beside the feed, on
+what each step leaves after the input;
 a question behind longer than `EngineLimits.flash_stale_s` or four times its cost (or more than
 `flash_stale_versions` versions, where that is set) gets one `flash.stale` (reason `behind`). A
 fast feed whose answers keep up is many versions behind at every moment and is never reported
@@ -205,9 +206,11 @@ class FlashJob(Job):
 
     @property
     def urgent(self) -> bool:
-        """A question it evaluates is overdue (or marked stale): it is as urgent as the input it
-        is behind (ranked first in the ingest class), even if it was queued before that."""
-        return any(overdue(self.session, f.q) for f in self.forks if not f.done)
+        """A question it evaluates is marked stale: it is as urgent as the input it is behind
+        (ranked first in the ingest class), even if it was queued before the mark. (An overdue
+        one only stops waiting for the input queue to drain: it takes what a step leaves after
+        the input, so an evaluation that costs seconds never crowds out the feed.)"""
+        return any(f.q.stale == "behind" for f in self.forks if not f.done)
 
     @property
     def priority(self) -> Priority:
@@ -358,7 +361,8 @@ def behind_limit_s(q: FlashQuestion, factor: float, floor_s: float) -> float:
 
 def overdue(session: Session, q: FlashQuestion) -> bool:
     """Whether `q` fell so far behind that its evaluation no longer waits for the input queue
-    to drain: marked stale, or behind longer than `behind_limit_s(q, OVERDUE_COST, OVERDUE_MIN_S)`."""
+    to drain (it runs beside the feed, on what each step leaves): marked stale, or behind longer
+    than `behind_limit_s(q, OVERDUE_COST, OVERDUE_MIN_S)`."""
     if q.stale == "behind":
         return True
     if q.evaluated_version >= session.data_version:
