@@ -15,12 +15,13 @@ on the bare framing). Each `flash.updated` carries `staleness_ms`: from the mome
 saw was accepted to the push. Behind is measured in time and in the question's own cost: an
 evaluation waits for the session's input queue to drain until its question is overdue (behind
 its data longer than 0.25 s or than an evaluation of it takes), then runs beside the feed, on
-what each step leaves after the input;
-a question behind longer than `EngineLimits.flash_stale_s` or four times its cost (or more than
-`flash_stale_versions` versions, where that is set) gets one `flash.stale` (reason `behind`). A
-fast feed whose answers keep up is many versions behind at every moment and is never reported
-stale for it. A question that cannot be evaluated says why at once (`no_room`: question and answer do not fit
-the model's window of an unbounded session; `failed`: the evaluation raised). The next
+what each step leaves after the input; a question behind longer than
+`EngineLimits.flash_stale_s` or four times its cost (or more than `flash_stale_versions`
+versions, where that is set) gets one `flash.stale` (reason `behind`) and from then on goes
+ahead of queued input. A fast feed whose answers keep up is many versions behind at every
+moment and is never reported stale for it. A question that cannot be evaluated says why at
+once (`no_room`: question and answer do not fit the model's window of an unbounded session;
+`failed`: the evaluation raised). The next
 evaluation clears the mark. A windowed session always answers: an evaluation evicts old input
 first where its questions would not fit (`FlashJob.room`, as a question asked does), also when
 dual notes take the positions after the data.
