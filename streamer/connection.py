@@ -243,9 +243,14 @@ class ConnectionGate:
     code); a socket past the descriptor guard (`reset_at` open sockets in all, or twice the
     address's cap) is closed at once, unanswered, so `accept()` never runs out of descriptors."""
 
-    def __init__(self, per_address: int, per_key: int, total: int, reset_at: int, edge: dict) -> None:
+    def __init__(self, per_address: int, per_key: int, total: int, reset_at: int, edge: dict,
+                 handshakes_per_s: float = 0.0, handshakes_burst: int = 1, handshake_wait_s: float = 0.0) -> None:
         self.per_address, self.per_key, self.total, self.reset_at = per_address, per_key, total, reset_at
         self.edge = edge
+        # the server's handshake rate (0: none): a handshake beyond it waits its turn, or is refused
+        # when its turn is more than handshake_wait_s away
+        self.handshakes = TokenBucket(handshakes_per_s, max(handshakes_burst, 1)) if handshakes_per_s > 0 else None
+        self.handshake_wait_s = handshake_wait_s
         self.sockets = 0
         self.by_address: Counter[str] = Counter()
         self.by_key: Counter[str] = Counter()
@@ -288,6 +293,27 @@ class ConnectionGate:
             conn.key_slot = key_name
             self.by_key[key_name] += 1
         return None
+
+    def pace(self) -> float | None:
+        """An admitted handshake's turn at the server's handshake rate: the seconds it waits
+        before it is answered (0: at once), or None when its turn is more than
+        `handshake_wait_s` away (refuse it: `server_busy`). Connections opened in a storm (10,000
+        clients at once, or a flood from a few) are answered at the rate the event loop can take
+        beside the sessions it serves, instead of taking it from them."""
+        bucket = self.handshakes
+        if bucket is None:
+            return 0.0
+        now = time.monotonic()
+        bucket.level = min(bucket.burst, bucket.level + (now - bucket.stamp) * bucket.rate)
+        bucket.stamp = now
+        wait = max(0.0, (1.0 - bucket.level) / bucket.rate)
+        if wait > self.handshake_wait_s:
+            self.edge["handshakes_refused"] += 1
+            return None
+        bucket.level -= 1.0  # below zero: the turns already given out
+        if wait > 0:
+            self.edge["handshakes_paced"] += 1
+        return wait
 
 
 class Connection:

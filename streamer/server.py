@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import json
 import logging
 import resource
@@ -38,6 +37,7 @@ from .eventlog import (DEFAULT_CHECKPOINT_MIN_RECORDS, DEFAULT_CHECKPOINT_RECORD
                        EventLog)
 from .handlers import Peer, Services
 from .media import MediaConfig, MediaHub
+from .heap import HeapKeeper
 from .metrics import EDGE_COUNTERS
 from .metrics import render as render_metrics
 from .mqtt import MqttBridge
@@ -101,7 +101,16 @@ class ServerConfig:
     ping_interval: float | None = 20.0  # keepalive: a peer that misses a pong for ping_timeout is closed
     ping_timeout: float | None = 20.0
     open_timeout_s: float = 10.0  # the websocket handshake
+    # the server's handshake rate: handshakes beyond it wait their turn (up to handshake_wait_s,
+    # below open_timeout_s), then get HTTP 503 server_busy; 0: no rate
+    handshakes_per_s: float = 200.0
+    handshakes_burst: int = 400
+    handshake_wait_s: float = 5.0
     shutdown_grace_s: float = 10.0  # graceful shutdown: time for in-flight work before closing (1001)
+    # `streamer serve`'s garbage collector (streamer.heap): the first sweep of the frozen heap
+    # after this; the interval then adapts between a minute and an hour to what sweeps reclaim.
+    # 0: no tenure and no sweeps (only the started heap is frozen; CPython's own full collections)
+    gc_sweep_s: float = 600.0
     mqtt_url: str | None = None  # e.g. mqtt://127.0.0.1:1883: publish session events there
     mqtt_prefix: str = "streamer"
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: anyone may create sessions
@@ -389,8 +398,20 @@ class StreamerServer:
                 status, code, message = refusal
                 log.warning("connection from %s refused: %s", connection.address, code)
                 return _json_response(status, {"error": message, "code": code}, retry_after=5)
+            wait = self.gate.pace() if self.gate is not None else 0.0
+            if wait is None:
+                log.warning("connection from %s refused: server_busy", connection.address)
+                return _json_response(HTTPStatus.SERVICE_UNAVAILABLE, {
+                    "error": f"more than {self.config.handshakes_per_s:g} connections a second are opening; retry later",
+                    "code": "server_busy"}, retry_after=max(1, round(self.config.handshake_wait_s)))
+            if wait:
+                return _answer_later(wait)  # its turn at the handshake rate (websockets awaits it)
             return None
         return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard, /app or a websocket"})
+
+
+async def _answer_later(wait: float) -> None:
+    await asyncio.sleep(wait)
 
 
 def _json_response(status: HTTPStatus, body: dict, retry_after: int | None = None) -> Response:
@@ -432,18 +453,9 @@ def connection_gate(cfg: ServerConfig, edge: dict) -> ConnectionGate:
         total = max(reset_at - FD_RESERVE, 1)
         log.warning("max_connections %d is above what the open-file limit %d allows; using %d",
                     cfg.max_connections, limit, total)
-    return ConnectionGate(cfg.max_connections_per_address, cfg.max_connections_per_key, total, reset_at, edge)
-
-
-def freeze_heap() -> int:
-    """Move every object alive now (modules, the model's object graph, the engine) out of the
-    garbage collector's generations, once a serving process has started: a full collection then
-    walks only what was made since, so its pause (every thread stops for it) stays small however
-    large the loaded model's graph is (bench/fairness.py measured 230-460 ms a collection before,
-    with several a second under a message flood). Returns how many objects were frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
+    return ConnectionGate(cfg.max_connections_per_address, cfg.max_connections_per_key, total, reset_at, edge,
+                          cfg.handshakes_per_s, cfg.handshakes_burst,
+                          min(cfg.handshake_wait_s, max(cfg.open_timeout_s - 1.0, 0.0)))  # answered before it times out
 
 
 async def run_server(engine: Engine, config: ServerConfig,
@@ -452,7 +464,16 @@ async def run_server(engine: Engine, config: ServerConfig,
     a store that outlives this process (file or Redis), drain first: hand each session over with
     its KV cache to whichever worker resumes it next (streamer.drain)."""
     server = await StreamerServer(engine, config).start()
-    log.info("garbage collector: %d objects of the started server frozen", freeze_heap())
+    heap = HeapKeeper(config.gc_sweep_s, min(60.0, config.gc_sweep_s), max(3600.0, config.gc_sweep_s),
+                      counters=server.edge)
+    frozen = heap.start()
+    if config.gc_sweep_s:
+        log.info("garbage collector: %d objects of the started server frozen; the survivors of each full "
+                 "collection are frozen too, and the frozen heap is swept every %g s at first",
+                 frozen, config.gc_sweep_s)
+    else:
+        log.info("garbage collector: %d objects of the started server frozen", frozen)
+    sweeper = asyncio.create_task(heap.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -477,6 +498,8 @@ async def run_server(engine: Engine, config: ServerConfig,
         log.info("shut down: %(connections)d connections closed, %(in_flight)d requests in flight, "
                  "%(answers_ended)d answers ended early, %(unfinished)d unfinished", done)
     finally:
+        sweeper.cancel()
+        heap.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 loop.remove_signal_handler(sig)

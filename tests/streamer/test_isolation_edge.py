@@ -165,6 +165,39 @@ def test_connections_are_capped_on_the_server(engine):
     serve(engine, test, max_connections=3)
 
 
+def test_a_storm_of_handshakes_waits_its_turn_at_the_server_rate_and_what_cannot_wait_gets_server_busy(engine):
+    """Twelve connections opened at once against a rate of 2 handshakes a second (bursts of 2,
+    up to 1 s of waiting): the burst is answered at once, the next ones wait their turn (and
+    open), and the ones whose turn is more than a second away get HTTP 503 `server_busy` with
+    Retry-After; a session on a connection opened before goes on meanwhile."""
+
+    async def test(url, server):
+        held = await connect_from(url, "127.0.0.2")
+        sid = await held.create()
+        await asyncio.sleep(1.1)  # the bucket is full again (2 at 2/s)
+        tries = await asyncio.gather(*(connect_from(url, f"127.0.0.{3 + i}") for i in range(12)),
+                                     return_exceptions=True)
+        opened = [t for t in tries if isinstance(t, Raw)]
+        refused = [t for t in tries if isinstance(t, InvalidStatus)]
+        assert len(opened) + len(refused) == 12, tries
+        # 2 from the burst plus the turns within the 1 s wait (2/s): 4, give or take the clock
+        assert 3 <= len(opened) <= 8 and refused, (len(opened), len(refused))
+        assert server.edge["handshakes_paced"] >= 1 and server.edge["handshakes_refused"] == len(refused)
+        for info in refused:
+            assert info.response.status_code == 503
+            body = json.loads(info.response.body)
+            assert body["code"] == "server_busy" and "connections a second" in body["error"], body
+            assert int(info.response.headers["Retry-After"]) >= 1
+        await held.still_serving(sid)
+        for peer in opened:
+            await peer.still_serving(await peer.create())
+        await asyncio.sleep(1.5)
+        late = await connect_from(url, "127.0.0.20")  # the storm is over: answered again
+        await late.still_serving(await late.create())
+
+    serve(engine, test, handshakes_per_s=2, handshakes_burst=2, handshake_wait_s=1.0)
+
+
 def test_sockets_past_twice_an_address_cap_are_closed_unanswered(engine):
     """Bare TCP sockets that never handshake hold descriptors: from one address, those past
     twice its cap are closed at once, so they cannot fill the server's descriptors; another
