@@ -93,6 +93,7 @@ class LenientConnection(ServerConnection):
         self.gate = gate
         self.address: str | None = None  # the client's IP address, once connected
         self.key_slot: str | None = None  # the API key name this connection counts against
+        self.cluster_member: tuple[str, str] | None = None  # (key name, member) counted in the cluster
         self.bytes_read = 0  # as the byte rate counts them (see data_received)
         self.meter: Callable[[int], None] | None = None  # told the size of every read (the byte rate)
         self.unframed = 0  # bytes read since the last complete frame
@@ -254,6 +255,9 @@ class ConnectionGate:
         self.sockets = 0
         self.by_address: Counter[str] = Counter()
         self.by_key: Counter[str] = Counter()
+        # connections counted in the cluster's per-key sets (streamer.quotas): key -> members
+        self.cluster_members: dict[str, set[str]] = {}
+        self.forget_member: Callable[[str, str], None] | None = None  # ClusterQuota.forget_connection
 
     def opened(self, conn: LenientConnection) -> bool:
         """A socket was accepted: count it; False if it must be closed at once."""
@@ -273,6 +277,14 @@ class ConnectionGate:
             self.by_key[conn.key_slot] -= 1
             if self.by_key[conn.key_slot] <= 0:
                 del self.by_key[conn.key_slot]
+        if conn.cluster_member is not None:
+            key_name, member = conn.cluster_member
+            members = self.cluster_members.get(key_name, set())
+            members.discard(member)
+            if not members:
+                self.cluster_members.pop(key_name, None)
+            if self.forget_member is not None:
+                self.forget_member(key_name, member)
 
     def admit(self, conn: LenientConnection, key_name: str | None) -> tuple[HTTPStatus, str, str] | None:
         """A websocket handshake: None to go on, else (HTTP status, code, message). A connection

@@ -164,7 +164,8 @@ class StreamerServer:
         self.handoffs = self.resumer.handoffs
         self.services = Services(engine, cfg, self.directory, self.events, self.resumer, self.snapshots, self.store,
                                  self.take_over, edge=self.edge)
-        self.quotas = self.services.quotas = ClusterQuota(self.store, cfg.sessions_per_key)
+        self.quotas = self.services.quotas = ClusterQuota(self.store, cfg.sessions_per_key,
+                                                          connections_per_key=cfg.max_connections_per_key)
         self.mqtt = None  # MqttBridge when config.mqtt_url is set
         self.adopter = None  # streamer.adoption.Adopter (Redis store, behind a proxy): takes over dead workers' sessions
         self._server: Server | None = None
@@ -183,6 +184,7 @@ class StreamerServer:
                                                               worker_id=self.store.worker_id,
                                                               closed_retention_s=self.store.retention_s).start()
         self.gate = connection_gate(cfg, self.edge)
+        self.gate.forget_member = self.quotas.forget_connection
         self._server = await serve(
             self._handle, cfg.host, cfg.port, process_request=self._http, max_size=cfg.max_frame_bytes,
             create_connection=functools.partial(LenientConnection, gate=self.gate), logger=wire_log,
@@ -192,7 +194,7 @@ class StreamerServer:
         await self.store.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(heartbeat_loop(self.store, on_forgotten=self.events.store_restarted)),
-                       loop.create_task(self.snapshots.run()), loop.create_task(self.quotas.run(self.directory))]
+                       loop.create_task(self.snapshots.run()), loop.create_task(self.quotas.run(self.directory, self.gate))]
         if self.mqtt is not None:
             self.mqtt.announce(self.store.worker_url)
         if self.store.kind == "redis" and cfg.proxy_url:
@@ -404,10 +406,33 @@ class StreamerServer:
                 return _json_response(HTTPStatus.SERVICE_UNAVAILABLE, {
                     "error": f"more than {self.config.handshakes_per_s:g} connections a second are opening; retry later",
                     "code": "server_busy"}, retry_after=max(1, round(self.config.handshake_wait_s)))
+            if name is not None and self.quotas.enabled and self.gate is not None:
+                return self._admit_in_cluster(connection, name, wait)  # websockets awaits it
             if wait:
                 return _answer_later(wait)  # its turn at the handshake rate (websockets awaits it)
             return None
         return _json_response(HTTPStatus.NOT_FOUND, {"error": f"no route {path}; try /healthz, /metrics, /dashboard, /app or a websocket"})
+
+    async def _admit_in_cluster(self, connection: LenientConnection, name: str, wait: float) -> Response | None:
+        """A keyed handshake on a Redis store: count it in the key's cluster-wide set (refused at
+        `max_connections_per_key` over every worker), then wait its turn at the handshake rate."""
+        member = self.quotas.member(connection.id.hex)
+        held = await self.quotas.admit_connection(name, member)
+        if held is not None:
+            self.edge["connections_refused_key"] += 1
+            log.warning("connection from %s refused: too_many_connections_key (cluster)", connection.address)
+            return _json_response(HTTPStatus.TOO_MANY_REQUESTS, {
+                "error": f"this API key holds {held} connections across the cluster (limit "
+                         f"{self.config.max_connections_per_key}); close some first",
+                "code": "too_many_connections_key"}, retry_after=5)
+        if connection.gate is None:  # it closed while the store answered
+            self.quotas.forget_connection(name, member)
+            return None
+        connection.cluster_member = (name, member)
+        self.gate.cluster_members.setdefault(name, set()).add(member)
+        if wait:
+            await asyncio.sleep(wait)
+        return None
 
 
 async def _answer_later(wait: float) -> None:

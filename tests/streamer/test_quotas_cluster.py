@@ -1,10 +1,13 @@
-"""Per-key session caps hold across the cluster: two real worker processes on one Redis share
-an API key's `sessions_per_key`; a closed session frees its slot at once, and a dead worker's
-sessions stop counting once its TTL has run out (they never leak)."""
+"""Per-key session and connection caps hold across the cluster: two real worker processes on one
+Redis share an API key's `sessions_per_key` and `max_connections_per_key`; a closed session or
+connection frees its slot at once, and a dead worker's stop counting once its TTL has run out
+(they never leak)."""
 
 import asyncio
+import json
 
 import pytest
+from websockets.exceptions import InvalidStatus
 from helpers import until
 from procutil import ServerProcess
 from redisutil import redis_server, redis_url  # noqa: F401  (fixtures)
@@ -49,3 +52,49 @@ def test_sessions_per_key_hold_across_workers(redis_url, tmp_path):
             return await until(admitted, 10, "the closed session's slot")
 
     assert asyncio.run(run())["type"] == "session.created"
+
+
+def test_connections_per_key_hold_across_workers(redis_url, tmp_path):
+    """`max_connections_per_key` over every worker of a Redis store: a connection on each of two
+    workers puts a key at a cap of 2 on both; a closed connection frees its slot at once; a
+    killed worker's connections stop counting after its TTL. Without a key nothing is counted."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"acme:{KEY}\n")
+    args = ("--store", redis_url, "--api-keys-file", str(keys), "--limit", "max_connections_per_key=2")
+
+    async def refused(url: str) -> dict:
+        try:
+            peer = await raw(url)
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 429 and exc.response.headers["Retry-After"]
+            return json.loads(exc.response.body)
+        raise AssertionError(f"admitted past the cluster's cap: {peer}")
+
+    async def run():
+        with ServerProcess(*args, "--worker-id", "ca") as a, ServerProcess(*args, "--worker-id", "cb") as b:
+            url_a, url_b = f"{a.url}/?api_key={KEY}", f"{b.url}/?api_key={KEY}"
+            on_a, on_b = await raw(url_a), await raw(url_b)
+            for url in (url_a, url_b):
+                body = await refused(url)
+                assert body["code"] == "too_many_connections_key" and "across the cluster" in body["error"], body
+            assert (await create(on_a))["type"] == "session.created"  # the admitted ones serve
+            anonymous = [await raw(a.url) for _ in range(3)]  # no key: not counted
+            for peer in anonymous:
+                assert (await peer.request({"type": "session.get", "session_id": "none"}))["type"] == "error"
+            await on_b.ws.close()
+
+            async def admitted(url):
+                try:
+                    return await raw(url)
+                except InvalidStatus:
+                    return None
+
+            again = await until(lambda: admitted(url_a), 10, "the closed connection's slot")
+            assert (await refused(url_b))["code"] == "too_many_connections_key"
+            a.kill()  # its two connections are no longer stamped: they expire after the worker TTL
+            first = await until(lambda: admitted(url_b), 30, "the dead worker's connections to stop counting")
+            second = await until(lambda: admitted(url_b), 30, "both of the dead worker's connections to stop counting")
+            assert (await refused(url_b))["code"] == "too_many_connections_key"  # two live on B: the cap
+            return again, first, second
+
+    assert all(asyncio.run(run()))
