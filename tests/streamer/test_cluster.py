@@ -369,3 +369,62 @@ def test_the_js_sdk_fails_over_through_the_same_url(cluster):
     appends = [r for r in appends if r.get("kind") == "append"]
     assert [r["text"] for r in appends] == [f"piece {i}. " for i in range(n)]  # every input once, in order
     assert [r["client_seq"] for r in appends] == list(range(1, n + 1))
+
+
+def test_the_app_page_fails_over_through_the_same_url(redis_server):  # noqa: F811
+    """/app, loaded through the proxy of a cluster of its own (two workers): "New session" picks
+    the id the proxy routes on, rows typed into the page go to the worker that owns it; kill -9
+    of that worker while rows are still being sent: the page reconnects through the same URL,
+    resumes on the worker that adopted the session (its note says so), resends what was not
+    acked, and every row is in the log once, in order."""
+    import redis
+    from browserutil import Chromium, click, el, fill
+
+    prefix = f"streamer-app-{uuid.uuid4().hex[:8]}"
+    store = redis.Redis.from_url(f"redis://{redis_server}/0", decode_responses=True)
+    rows = [f"app row {i}: the tide is {i} metres." for i in range(12)]
+    with LocalCluster(2, f"redis://{redis_server}/0?prefix={prefix}", f"127.0.0.1:{free_port()}",
+                      ["--model", "tiny", "--threads", "1", "--detach-ttl", "600"]) as c:
+        browser = Chromium().start()
+
+        async def send(page, row: str) -> None:
+            await fill(page, "text-input", row)
+            await click(page, "send-text")
+
+        async def run():
+            async with browser.page() as page:
+                await page.navigate(c.url.replace("ws://", "http://") + "/app")
+                await page.eval("localStorage.clear(); sessionStorage.clear()")
+                await click(page, "create")
+                sid = await page.wait_for(f"{el('sid')}.length > 8 && {el('sid')}", 60)
+                assert sid.startswith("app-") and f"session={sid}" in await page.eval("streamerApp.client.url")
+                for row in rows[:4]:
+                    await send(page, row)
+                await page.wait_for("streamerApp.session.unacked.size === 0", 60)
+                victim = store.get(f"{prefix}:owner:{sid}")
+                assert victim is not None
+                c.kill(int(victim.split("-")[0][1:]) - 1)  # SIGKILL; the page goes on typing
+                for row in rows[4:]:
+                    await send(page, row)
+                    await asyncio.sleep(0.2)
+                await page.wait_for("streamerApp.session.unacked.size === 0", 180)
+                note = await page.wait_for(f"{el('session-note')}.includes('reconnected') && {el('session-note')}", 30)
+                status = await page.eval(el("conn"))
+                urls = await page.eval("[streamerApp.client.url, streamerApp.client.homeUrl]")
+                return sid, victim, note, status, urls
+
+        try:
+            sid, victim, note, status, (url, home) = asyncio.run(run())
+        finally:
+            browser.stop()
+        assert "session resumed" in note and status == "live", (note, status)
+        assert url == home and url.startswith(c.url) and f"session={sid}" in url  # through the proxy
+        adopter = store.get(f"{prefix}:owner:{sid}")
+        assert adopter not in (victim, None)
+        appends = [json.loads(f["r"]) for _, f in store.xrange(f"{prefix}:log:{sid}")]
+        appends = [r for r in appends if r.get("kind") == "append"]
+        assert [r["text"] for r in appends] == [row + "\n" for row in rows]  # every row once, in order
+    keys = list(store.scan_iter(f"{prefix}:*"))
+    if keys:
+        store.delete(*keys)
+    store.close()
