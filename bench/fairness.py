@@ -214,8 +214,7 @@ async def attacks_main(args) -> int:
     engine = Engine(ModelRunner(lm.model, lm.tokenizer, lm.name), EngineLimits(max_context_tokens=4096)).start()
     server = await StreamerServer(engine, ServerConfig(port=0)).start()
     # the garbage collector as `streamer serve` sets it once it has started (streamer.server.run_server)
-    heap = HeapKeeper(args.gc_sweep_s, min(60.0, args.gc_sweep_s), max(3600.0, args.gc_sweep_s),
-                      counters=server.edge)
+    heap = HeapKeeper.serving(args.gc_sweep_s, counters=server.edge)
     heap.start()
     sweeper = asyncio.create_task(heap.run())
     pauses = GcPauses()

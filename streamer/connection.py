@@ -175,10 +175,14 @@ class TokenBucket:
         at up to the allowed rate are not a burst when they are read back to back."""
         self.extra = min(self.extra + seconds * self.rate, 60 * self.rate)
 
-    def take(self, amount: float = 1.0) -> bool:
+    def refill(self) -> None:
+        """Add what the rate gave since the last look, up to the burst."""
         now = time.monotonic()
         self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
+
+    def take(self, amount: float = 1.0) -> bool:
+        self.refill()
         if self.level < amount and self.extra >= amount:
             self.extra -= amount
             return True
@@ -315,9 +319,7 @@ class ConnectionGate:
         bucket = self.handshakes
         if bucket is None:
             return 0.0
-        now = time.monotonic()
-        bucket.level = min(bucket.burst, bucket.level + (now - bucket.stamp) * bucket.rate)
-        bucket.stamp = now
+        bucket.refill()
         wait = max(0.0, (1.0 - bucket.level) / bucket.rate)
         if wait > self.handshake_wait_s:
             self.edge["handshakes_refused"] += 1

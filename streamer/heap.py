@@ -61,6 +61,13 @@ class HeapKeeper:
         self._sweeping = False
         self._installed = False
 
+    @classmethod
+    def serving(cls, gc_sweep_s: float, counters: dict | None = None) -> "HeapKeeper":
+        """The keeper `streamer serve` runs (`ServerConfig.gc_sweep_s`): the first sweep after
+        `gc_sweep_s`, then between a minute and an hour (or `gc_sweep_s` where it is outside
+        them); 0: only the started heap frozen."""
+        return cls(gc_sweep_s, min(60.0, gc_sweep_s), max(3600.0, gc_sweep_s), counters=counters)
+
     def start(self) -> int:
         """Collect, freeze what the started process holds and tenure from now on. Returns how
         many objects are frozen."""

@@ -51,6 +51,14 @@ return #ARGV - 1
 """
 
 
+def _in_background(work, what: str) -> None:
+    """Run a store write without waiting for it; a failure is logged (the entry then lapses with
+    the worker TTL, as a dead worker's do)."""
+    task = asyncio.get_running_loop().create_task(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
+        "%s: %s", what, t.exception()))
+
+
 class ClusterQuota:
     """The cluster-wide counts of sessions and connections per API key (a no-op unless the
     store is Redis)."""
@@ -103,10 +111,8 @@ class ClusterQuota:
     def forget_connection(self, key_name: str, member: str) -> None:
         """A connection counted in the cluster closed: its entry goes now (in the background)."""
         if self.enabled:
-            task = asyncio.get_running_loop().create_task(
-                self.store._do(self.store.redis.zrem(self._ckey(key_name), member)))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
-                "releasing a connection from key %s's count: %s", key_name, t.exception()))
+            _in_background(self.store._do(self.store.redis.zrem(self._ckey(key_name), member)),
+                           f"releasing a connection from key {key_name}'s count")
 
     async def release(self, key_name: str, session_id: str) -> None:
         if self.enabled:
@@ -115,9 +121,7 @@ class ClusterQuota:
     def forget(self, key_name: str | None, session_id: str) -> None:
         """A session of `key_name` closed here: its entry goes now (in the background)."""
         if self.enabled and key_name is not None:
-            task = asyncio.get_running_loop().create_task(self.release(key_name, session_id))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
-                "releasing session %s from its key's count: %s", session_id, t.exception()))
+            _in_background(self.release(key_name, session_id), f"releasing session {session_id} from its key's count")
 
     async def stamp(self, held: dict[str, list[str]], connections: dict[str, set[str]] | None = None) -> None:
         """Re-stamp the entries of the sessions this worker holds (key name -> session ids) and

@@ -489,8 +489,7 @@ async def run_server(engine: Engine, config: ServerConfig,
     a store that outlives this process (file or Redis), drain first: hand each session over with
     its KV cache to whichever worker resumes it next (streamer.drain)."""
     server = await StreamerServer(engine, config).start()
-    heap = HeapKeeper(config.gc_sweep_s, min(60.0, config.gc_sweep_s), max(3600.0, config.gc_sweep_s),
-                      counters=server.edge)
+    heap = HeapKeeper.serving(config.gc_sweep_s, counters=server.edge)
     frozen = heap.start()
     if config.gc_sweep_s:
         log.info("garbage collector: %d objects of the started server frozen; the survivors of each full "
