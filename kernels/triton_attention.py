@@ -359,7 +359,7 @@ class AttentionPlan:
         for req in self.requests:
             layout.add(req, seen)
         self.dtype = layout.dtype
-        elem = torch.empty((), dtype=self.dtype).element_size() if self.dtype is not None else 1
+        elem = self.dtype.itemsize if self.dtype is not None else 1
         self.aligned = (self.head_dim * elem) % 16 == 0 and all(
             seg[0] % 16 == 0 and seg[1] % 16 == 0 and (seg[2] * elem) % 16 == 0 and (seg[3] * elem) % 16 == 0
             for seg in layout.segs)

@@ -26,8 +26,7 @@ class KVShape:
     @property
     def bytes_per_token(self) -> int:
         """Physical KV bytes per token: layers x 2 x kv_heads x head_dim x dtype size."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.layers * 2 * self.kv_heads * self.head_dim * elem
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
 
 @runtime_checkable

@@ -190,3 +190,30 @@ def test_an_engine_not_started_does_nothing_until_stepped(tiny):
     assert engine.step() and created.result(0)["tokens"] > 0  # one step frames the session
     assert engine.run_until_idle() == 0  # and leaves nothing to run
     assert not engine.step()  # nothing left to run
+
+
+def test_a_session_state_is_read_without_a_torch_call(tiny):
+    """`session.get` is answered on the engine thread between steps; a torch call there releases
+    the GIL, and while other connections keep the event loop busy each release waits up to a
+    switch interval to get it back (a flood of `session.get` made the engine spend most of its
+    time waiting in `KVShape.bytes_per_token`'s `torch.empty`: bench/fairness.py
+    twenty_connections). Reading a session's state makes no torch call at all."""
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    engine = Sync(driven(tiny[0]))
+    sid = engine.create_session()["session_id"]
+    engine.append(sid, "The keeper logged a storm.")
+    with Calls() as calls:
+        state = engine.engine.core.session_state(sid)
+    assert calls.seen == []
+    shape = tiny[0].kv_shape
+    assert state["kv_bytes_per_token"] == shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.dtype.itemsize
