@@ -1217,12 +1217,115 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
 }
 #endif
 
+#if SK_AVX2
+/* chunk_parts for head_dim 64 and an fp16 cache on 8-lane vectors: keys are converted four at a
+ * time into a buffer in L1 that serves every query (the generic path converted the whole chunk's
+ * keys and values to fp32, 512 KB, and reduced each score alone); values are read once per two
+ * queries and half a head, whose accumulators stay in registers. A query's scores, softmax and
+ * sum are the same operations whatever the other queries of the task. */
+static inline __m128 reduce4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* acc[q] = sum_j p[q][j] v_j over the chunk's first `most` values, dims 32h .. 32h + 31 (fp16
+ * rows of 64, in runs), key by key in order, into dst[q] + 2 + 32h. */
+static inline __attribute__((always_inline)) void pv_half(const float *p, float *const *dst, const int gn,
+                                                          const seg_t *seg, int nseg, int most, int h) {
+    __m256 acc[2][4];
+    for (int q = 0; q < gn; q++)
+        for (int c = 0; c < 4; c++) acc[q][c] = _mm256_setzero_ps();
+    for (int r = 0, j0 = 0; r < nseg && j0 < most; j0 += seg[r].count, r++) {
+        const uint16_t *V = (const uint16_t *)seg[r].v + 32 * h;
+        int n = most - j0 < seg[r].count ? most - j0 : seg[r].count;
+        for (int j = 0; j < n; j++) {
+            __m256 v[4];
+            for (int c = 0; c < 4; c++) v[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(V + (int64_t)j * 64 + 8 * c)));
+            for (int q = 0; q < gn; q++) {
+                __m256 pj = _mm256_set1_ps(p[(size_t)q * CHUNK + j0 + j]);
+                for (int c = 0; c < 4; c++) acc[q][c] = _mm256_fmadd_ps(pj, v[c], acc[q][c]);
+            }
+        }
+    }
+    for (int q = 0; q < gn; q++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(dst[q] + 2 + 32 * h + 8 * c, acc[q][c]);
+}
+
+static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, int c0, int count) {
+    int vis[MAX_Q], most = 0;
+    for (int q = 0; q < nq; q++) {
+        int v = t->lim[q] - c0;
+        vis[q] = v < 0 ? 0 : (v > count ? count : v);
+        most = vis[q] > most ? vis[q] : most;
+    }
+    float *s = t->s;
+    float kb[4][64] __attribute__((aligned(32)));
+    for (int r = 0, j0 = 0; r < nseg && j0 < most; j0 += seg[r].count, r++) { /* scores, four keys at a time */
+        const uint16_t *K = (const uint16_t *)seg[r].k;
+        int n = most - j0 < seg[r].count ? most - j0 : seg[r].count;
+        for (int j = 0; j < n; j += 4) {
+            for (int u = 0; u < 4; u++)
+                for (int c = 0; c < 8; c++)
+                    _mm256_store_ps(kb[u] + 8 * c, j + u < n ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                                                   (const __m128i *)(K + (int64_t)(j + u) * 64 + 8 * c)))
+                                                             : _mm256_setzero_ps());
+            for (int q = 0; q < nq; q++) {
+                const float *qv = t->qs[q];
+                __m256 a[4];
+                for (int u = 0; u < 4; u++) {
+                    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_load_ps(kb[u]));
+                    for (int c = 1; c < 8; c++) x = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_load_ps(kb[u] + 8 * c), x);
+                    a[u] = x;
+                }
+                float four[4];
+                _mm_storeu_ps(four, reduce4_256(a[0], a[1], a[2], a[3]));
+                for (int u = 0; u < 4 && j + u < n; u++) s[(size_t)q * CHUNK + j0 + j + u] = four[u];
+            }
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int q = 0; q < nq; q++) { /* softmax pieces; scores past a query's last visible key become 0 */
+        float *sq = s + (size_t)q * CHUNK, *d = t->dst[q];
+        if (vis[q] == 0) {
+            d[0] = -INFINITY;
+            d[1] = 0.0f;
+            for (int j = 0; j < most; j++) sq[j] = 0.0f;
+            continue;
+        }
+        __m256 vm = _mm256_set1_ps(-INFINITY);
+        int j = 0;
+        for (; j + 8 <= vis[q]; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sq + j));
+        float lanes[8], mx = -INFINITY;
+        _mm256_storeu_ps(lanes, vm);
+        for (int e = 0; e < 8; e++) mx = lanes[e] > mx ? lanes[e] : mx;
+        for (; j < vis[q]; j++) mx = sq[j] > mx ? sq[j] : mx;
+        __m256 m = _mm256_set1_ps(mx), l = _mm256_setzero_ps();
+        const __m256i limit = _mm256_set1_epi32(vis[q]);
+        for (j = 0; j < most; j += 8) { /* most <= CHUNK: a row's 8 lanes stay inside its CHUNK scores */
+            __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, _mm256_add_epi32(lane, _mm256_set1_epi32(j))));
+            __m256 p = _mm256_and_ps(keep, exp256(_mm256_sub_ps(_mm256_and_ps(keep, _mm256_loadu_ps(sq + j)), m)));
+            _mm256_storeu_ps(sq + j, p);
+            l = _mm256_add_ps(l, p);
+        }
+        d[0] = mx;
+        d[1] = hsum256(l);
+    }
+    for (int g = 0; g < nq; g += 2) { /* acc = sum_j p_j v_j, each value converted once per two queries */
+        int gn = nq - g < 2 ? nq - g : 2;
+        for (int h = 0; h < 2; h++) {
+            if (gn == 2) pv_half(s + (size_t)g * CHUNK, t->dst + g, 2, seg, nseg, most, h);
+            else pv_half(s + (size_t)g * CHUNK, t->dst + g, 1, seg, nseg, most, h);
+        }
+    }
+}
+#endif
+
 /* Partials of `nq` query vectors over the chunk of keys at [c0, c0 + count) of their sequence
  * (in runs); query q sees the keys below lim[q]. */
 static void chunk_parts(const fwd_t *F, scratch_t *t, int nq, const seg_t *seg, int nseg, int c0, int count) {
     const sk_model *M = F->M;
     int dim = M->head_dim;
-#if SK_AVX512
+#if SK_AVX512 || SK_AVX2
     if (dim == 64 && M->kv_fp16) {
         chunk_parts_h64(t, nq, seg, nseg, c0, count);
         return;
