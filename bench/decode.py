@@ -24,7 +24,14 @@ Run: python bench/decode.py [--sizes 512,4096] [--formats fp32,int4] [--threads 
 Last line: `RESULT decode512_vs_llama=<ours int4 ms/token / llama.cpp's> decode4k_vs_llama=<x>
 answer8_llama_vs_ours=<llama.cpp time / ours, 8-token answer, largest size>
 answer64_min_llama_vs_ours=<the smallest over sizes> ingest_vs_llama=<our tokens/s / llama.cpp's>
-int4_vs_fp32_decode=<fp32 ms/token / int4's>` (`n/a` where llama.cpp is not installed).
+int4_vs_fp32_decode=<fp32 ms/token / int4's> decode512_of_limit=<x> decode4k_of_limit=<x>
+ingest_tok_s=<x> stream_gb_s=<x>` (`n/a` where llama.cpp is not installed).
+
+The bandwidth floor: a decode step reads at least the linear layers' weights (the head
+included) and the session's K/V once; that many bytes over the bandwidth this machine streams
+(torch's sum of a 1 GiB tensor with the same threads, the better of a probe before and after
+the timed rounds) is the fastest a step can be. `decode<N>_of_limit` is that floor over our
+int4 ms/token (1.0: at the memory limit); `ingest_tok_s` our int4 ingest, the median over sizes.
 """
 
 from __future__ import annotations
@@ -52,6 +59,30 @@ from streamer.app import build_runner
 
 QUESTION = "Which boat brought the new burner for the lamp, and who was its skipper?"
 STEP_TOKENS = 512  # the engine's default step budget (chunked prefill)
+
+
+STREAM_BYTES = 1 << 30  # the bandwidth probe reads 1 GiB: far past any cache
+
+
+def stream_bandwidth(reps: int = 5) -> float:
+    """Bytes/s this machine streams from memory with torch's threads (set by --threads): the
+    median of `reps` full reads (a sum) of a 1 GiB float32 tensor, as a decode step reads its
+    weights and KV once."""
+    x = torch.ones(STREAM_BYTES // 4)
+    x.sum()  # pages touched and threads started before timing
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - started)
+    return STREAM_BYTES / statistics.median(times)
+
+
+def step_bytes(runner, context: int) -> int:
+    """What one decode step at `context` tokens must read at least: the linear layers' weights
+    (the head included) once, and the session's K/V once (norms and one embedding row are
+    negligible)."""
+    return runner.weights.linear_bytes + context * runner.kv_shape.bytes_per_token
 
 
 def log_tokens(session: Session, tokens: int) -> list[int]:
@@ -152,6 +183,7 @@ def main() -> None:
         llama = None
         print("llama-cpp-python is not installed: ours only (pip install llama-cpp-python)")
     print(f"threads={args.threads}  load average {os.getloadavg()[0]:.1f} at start")
+    bandwidth = [stream_bandwidth()]
     llama_ingest: dict[int, float] = {}
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
     for size in sizes:
@@ -171,6 +203,7 @@ def main() -> None:
                 total, per_token = run(64)
                 r["a64"].append(total)
                 r["decode"].append(per_token)
+    bandwidth.append(stream_bandwidth())  # before and after the timed rounds: the larger is the limit
     med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in results.items()}
     names = [f"ours-{f}" for f in formats] + (["llama.cpp"] if llama is not None else [])
     print(f"\n{'context':>8} {'engine':>12} {'decode ms/tok':>14} {'8-tok answer ms':>16} {'64-tok answer ms':>17} "
@@ -183,13 +216,28 @@ def main() -> None:
                   f"{ingest:>13.0f}")
     best = "int4" if "int4" in formats else formats[-1]
     ratios = {}
+    limit = max(bandwidth)
+    print(f"\nbandwidth floor: a decode step reads the linear weights once and the K/V once; this machine streams "
+          f"{limit / 1e9:.1f} GB/s ({', '.join(f'{b / 1e9:.1f}' for b in bandwidth)} before/after, "
+          f"{args.threads} threads)")
+    print(f"{'context':>8} {'engine':>12} {'MB a step':>10} {'floor ms':>9} {'ms/tok':>7} {'of limit':>9}")
+    for size in sizes:
+        for fmt in formats:
+            nbytes = step_bytes(ours[fmt].runner, size)
+            floor, took = nbytes / limit, med[(f"ours-{fmt}", size)]["decode"]
+            print(f"{size:>8} {'ours-' + fmt:>12} {nbytes / 1e6:>10.1f} {floor * 1000:>9.2f} {took * 1000:>7.2f} "
+                  f"{floor / took:>9.2f}")
+    small, large = min(sizes), max(sizes)
+    ratios["decode512_of_limit"] = step_bytes(ours[best].runner, small) / limit / med[(f"ours-{best}", small)]["decode"]
+    ratios["decode4k_of_limit"] = step_bytes(ours[best].runner, large) / limit / med[(f"ours-{best}", large)]["decode"]
+    ratios["ingest_tok_s"] = statistics.median(ours[best].ingest[s] for s in sizes)
+    ratios["stream_gb_s"] = limit / 1e9
     if llama is not None:
         print(f"\nours-{best} / llama.cpp (decode: lower is better; answers: llama.cpp time / ours, higher is better)")
         for size in sizes:
             o, ll = med[(f"ours-{best}", size)], med[("llama.cpp", size)]
             print(f"{size:>8}  decode {o['decode'] / ll['decode']:.2f}x   answer8 {ll['a8'] / o['a8']:.2f}x   "
                   f"answer64 {ll['a64'] / o['a64']:.2f}x   ingest {ours[best].ingest[size] / llama_ingest[size]:.2f}x")
-        small, large = min(sizes), max(sizes)
         ratios["decode512_vs_llama"] = med[(f"ours-{best}", small)]["decode"] / med[("llama.cpp", small)]["decode"]
         ratios["decode4k_vs_llama"] = med[(f"ours-{best}", large)]["decode"] / med[("llama.cpp", large)]["decode"]
         ratios["answer8_llama_vs_ours"] = med[("llama.cpp", large)]["a8"] / med[(f"ours-{best}", large)]["a8"]
@@ -207,7 +255,8 @@ def main() -> None:
     if llama is not None:
         llama.close()
     keys = ["decode512_vs_llama", "decode4k_vs_llama", "answer8_llama_vs_ours", "answer64_min_llama_vs_ours",
-            "ingest_vs_llama", "int4_vs_fp32_decode"]
+            "ingest_vs_llama", "int4_vs_fp32_decode", "decode512_of_limit", "decode4k_of_limit", "ingest_tok_s",
+            "stream_gb_s"]
     print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" if k in ratios else f"{k}=n/a" for k in keys))
 
 
