@@ -1113,6 +1113,17 @@ static scratch_t scratch_for(const fwd_t *F, int tid) {
     return t;
 }
 
+/* Keys of the chunk at [c0, c0 + count) each query sees (vis[q]: below its lim), and the most any sees. */
+static inline int visible_keys(const scratch_t *t, int nq, int c0, int count, int *vis) {
+    int most = 0;
+    for (int q = 0; q < nq; q++) {
+        int v = t->lim[q] - c0;
+        vis[q] = v < 0 ? 0 : (v > count ? count : v);
+        most = vis[q] > most ? vis[q] : most;
+    }
+    return most;
+}
+
 #if SK_AVX512
 /* chunk_parts for head_dim 64 and an fp16 cache: keys and values are read once, straight from
  * the cache; each converted key serves every query; scores are reduced four keys at a time. */
@@ -1152,12 +1163,7 @@ static void pv_any(const float *p, float *const *dst, int gn, const seg_t *seg, 
 }
 
 static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, int c0, int count) {
-    int vis[MAX_Q], most = 0;
-    for (int q = 0; q < nq; q++) {
-        int v = t->lim[q] - c0;
-        vis[q] = v < 0 ? 0 : (v > count ? count : v);
-        most = vis[q] > most ? vis[q] : most;
-    }
+    int vis[MAX_Q], most = visible_keys(t, nq, c0, count, vis);
     float *s = t->s;
     for (int r = 0, j0 = 0; r < nseg && j0 < most; j0 += seg[r].count, r++) { /* scores, four keys at a time */
         const uint16_t *K = (const uint16_t *)seg[r].k;
@@ -1252,12 +1258,7 @@ static inline __attribute__((always_inline)) void pv_half(const float *p, float 
 }
 
 static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, int c0, int count) {
-    int vis[MAX_Q], most = 0;
-    for (int q = 0; q < nq; q++) {
-        int v = t->lim[q] - c0;
-        vis[q] = v < 0 ? 0 : (v > count ? count : v);
-        most = vis[q] > most ? vis[q] : most;
-    }
+    int vis[MAX_Q], most = visible_keys(t, nq, c0, count, vis);
     float *s = t->s;
     float kb[4][64] __attribute__((aligned(32)));
     for (int r = 0, j0 = 0; r < nseg && j0 < most; j0 += seg[r].count, r++) { /* scores, four keys at a time */
