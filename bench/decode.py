@@ -27,6 +27,12 @@ answer64_min_llama_vs_ours=<the smallest over sizes> ingest_vs_llama=<our tokens
 int4_vs_fp32_decode=<fp32 ms/token / int4's> decode512_of_limit=<x> decode4k_of_limit=<x>
 ingest_tok_s=<x> stream_gb_s=<x>` (`n/a` where llama.cpp is not installed).
 
+`--hog`: then, at the smallest size, ingest and decode tokens/s of ours (int4) and llama.cpp's
+in alternating rounds, with the machine as it is and with one core taken by a busy process (a
+neighbour; on a server, its own media and event-loop threads); prints what each keeps and ours /
+llama.cpp's both ways, and RESULT adds `hog_<ours|llama>_<ingest|decode>_kept` and
+`<ingest|decode>_vs_llama_<idle|hogged>`.
+
 The bandwidth floor: a decode step reads at least the linear layers' weights (the head
 included) and the session's K/V once; that many bytes over the bandwidth this machine streams
 (torch's sum of a 1 GiB tensor with the same threads, the better of a probe before and after
@@ -134,6 +140,53 @@ class Ours:
         return math.exp(nll / count)
 
 
+def contention(ours: Ours, llama, size: int, reps: int) -> dict[str, float]:
+    """`--hog`: ingest tokens/s and decode tokens/s at `size`, ours and llama.cpp's (when
+    installed) in alternating rounds, with the machine as it is and then with one core taken by a
+    busy process (a neighbour, or the server's own media and event-loop threads); prints both and
+    returns RESULT entries: what each keeps of its idle rates, and ours / llama.cpp idle and hogged."""
+    import subprocess
+    import sys
+
+    def measure() -> dict[str, float]:
+        got: dict[str, list[float]] = {}
+        for _ in range(reps):
+            ids = ours.prepare(size)
+            got.setdefault("ours_ingest", []).append(ours.ingest[size])
+            got.setdefault("ours_decode", []).append(1 / ours.answer(size, 64)[1])
+            if llama is not None:
+                question = len(ids) - len(ours.sessions[size].context_ids())
+                got.setdefault("llama_ingest", []).append(llama.prefill_rate(ids[:-question]))
+                got.setdefault("llama_decode", []).append(1 / llama.decode_rate(ids, 64))
+        return {k: statistics.median(v) for k, v in got.items()}
+
+    idle = measure()
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        hogged = measure()
+    finally:
+        hog.kill()
+        hog.wait()
+    print(f"\none core taken by a busy process, context {size} (medians of {reps} rounds):")
+    print(f"{'engine':>12} {'ingest tok/s':>13} {'hogged':>8} {'kept':>6} {'decode tok/s':>13} {'hogged':>8} {'kept':>6}")
+    out = {}
+    for who, name in (("ours", f"ours-{ours.fmt}"), ("llama", "llama.cpp")):
+        if f"{who}_ingest" not in idle:
+            continue
+        kept = {part: hogged[f"{who}_{part}"] / idle[f"{who}_{part}"] for part in ("ingest", "decode")}
+        print(f"{name:>12} {idle[f'{who}_ingest']:>13.0f} {hogged[f'{who}_ingest']:>8.0f} {kept['ingest']:>6.2f} "
+              f"{idle[f'{who}_decode']:>13.1f} {hogged[f'{who}_decode']:>8.1f} {kept['decode']:>6.2f}")
+        out.update({f"hog_{who}_{part}_kept": v for part, v in kept.items()})
+    if llama is not None:
+        for part in ("ingest", "decode"):
+            out[f"{part}_vs_llama_idle"] = idle[f"ours_{part}"] / idle[f"llama_{part}"]
+            out[f"{part}_vs_llama_hogged"] = hogged[f"ours_{part}"] / hogged[f"llama_{part}"]
+        print(f"ours / llama.cpp: ingest {out['ingest_vs_llama_idle']:.2f}x idle, {out['ingest_vs_llama_hogged']:.2f}x "
+              f"hogged; decode {out['decode_vs_llama_idle']:.2f}x idle, {out['decode_vs_llama_hogged']:.2f}x hogged")
+    return out
+
+
 def gguf_types(types: list[str], tokens: int) -> None:
     """Perplexity of the embedded model re-exported in each GGUF type (see the module doc)."""
     import tempfile
@@ -169,6 +222,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ppl-tokens", type=int, default=1024, help="0 skips perplexity")
     ap.add_argument("--gguf-types", default="", help="perplexity per GGUF type only (see above)")
+    ap.add_argument("--hog", action="store_true",
+                    help="also ingest and decode at the smallest size with one core taken by a busy process")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.gguf_types:
@@ -247,6 +302,8 @@ def main() -> None:
     if "fp32" in formats and best != "fp32":
         ratios["int4_vs_fp32_decode"] = statistics.median(
             med[("ours-fp32", s)]["decode"] / med[(f"ours-{best}", s)]["decode"] for s in sizes)
+    if args.hog:
+        ratios.update(contention(ours[best], llama, small, args.reps))
     if args.ppl_tokens:
         print(f"\nperplexity on {args.ppl_tokens} tokens of the bundled log:")
         for fmt, o in ours.items():
@@ -257,6 +314,7 @@ def main() -> None:
     keys = ["decode512_vs_llama", "decode4k_vs_llama", "answer8_llama_vs_ours", "answer64_min_llama_vs_ours",
             "ingest_vs_llama", "int4_vs_fp32_decode", "decode512_of_limit", "decode4k_of_limit", "ingest_tok_s",
             "stream_gb_s"]
+    keys += [k for k in ratios if k not in keys]  # --hog's
     print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" if k in ratios else f"{k}=n/a" for k in keys))
 
 
