@@ -31,8 +31,9 @@ class _LlamaCppEngine:
         self.llm = Llama(model_path=str(embedded_gguf_path()), n_ctx=n_ctx, n_threads=threads,
                          n_threads_batch=threads, n_batch=n_batch, verbose=False)
 
-    def _evaluate(self, ids: list[int]) -> None:
-        """Evaluate `ids`, reusing the common prefix of what is cached."""
+    def _evaluate(self, ids: list[int], reuse: int | None = None) -> None:
+        """Evaluate `ids`, reusing the common prefix of what is cached (at most `reuse` tokens of
+        it: what is past them is evaluated again, as a question asked anew)."""
         llm = self.llm
         cached = list(llm._input_ids[:llm.n_tokens])
         common = 0
@@ -41,6 +42,8 @@ class _LlamaCppEngine:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # at least one token evaluated: its logits are read
+        if reuse is not None:
+            common = min(common, reuse)
         llm.n_tokens = common
         llm.eval(ids[common:])
 
@@ -52,10 +55,10 @@ class _LlamaCppEngine:
         logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
         return int(logits.argmax())
 
-    def greedy(self, ids: list[int], tokens: int) -> list[int]:
+    def greedy(self, ids: list[int], tokens: int, reuse: int | None = None) -> list[int]:
         """`tokens` greedy tokens after `ids`, past any end-of-text (the last is not
         evaluated: nothing reads its logits)."""
-        self._evaluate(ids)
+        self._evaluate(ids, reuse)
         out = [self._argmax()]
         for _ in range(tokens - 1):
             self.llm.eval([out[-1]])
@@ -78,9 +81,9 @@ class _LlamaCppEngine:
             out.append(self._argmax())
         return (time.perf_counter() - started) / max(1, tokens - 1)
 
-    def answer(self, ids: list[int], tokens: int) -> float:
+    def answer(self, ids: list[int], tokens: int, reuse: int | None = None) -> float:
         started = time.perf_counter()
-        self.greedy(ids, tokens)
+        self.greedy(ids, tokens, reuse)
         return time.perf_counter() - started
 
 
@@ -135,9 +138,10 @@ class LlamaCpp:
         """Seconds per generated token after `ids` (evaluated first, not timed)."""
         return self._call("decode_rate", list(ids), tokens)
 
-    def answer(self, ids: list[int], tokens: int) -> float:
-        """Seconds to a `tokens`-token answer to `ids`: what is new in them, then the answer."""
-        return self._call("answer", list(ids), tokens)
+    def answer(self, ids: list[int], tokens: int, reuse: int | None = None) -> float:
+        """Seconds to a `tokens`-token answer to `ids`: what is new in them (past `reuse` tokens
+        at most: a question asked again is evaluated again), then the answer."""
+        return self._call("answer", list(ids), tokens, reuse)
 
     def greedy(self, ids: list[int], tokens: int) -> list[int]:
         return self._call("greedy", list(ids), tokens)

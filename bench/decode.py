@@ -8,8 +8,9 @@ For each context size (default 512 and 4096 tokens of the bundled log, framed as
   - llama.cpp (`llama-cpp-python`, optional: `pip install llama-cpp-python` builds it from
     source; never a test dependency; bench/baselines.py LlamaCpp) on the same GGUF file, the
     same token ids (framing, context, framed question), greedy: the context is evaluated once,
-    then each answer reuses it (its longest common prefix) and evaluates the question and the
-    answer tokens. (bench/peers.py compares the two on a live feed, through our server.)
+    then each answer reuses it (its longest common prefix, never past the context: every round
+    asks the same question, which is evaluated again each time, as ours forks it) and evaluates
+    the question and the answer tokens. (bench/peers.py compares the two on a live feed, through our server.)
 Both use the same number of threads. Rounds alternate between engines, so machine drift hits
 them alike; medians are printed. Perplexity per format on the bundled log is printed after.
 
@@ -250,7 +251,10 @@ def main() -> None:
             llama_ingest[size] = llama.prefill_rate(ids[:-question])
         engines = {f"ours-{fmt}": (lambda t, s=size, o=ours[fmt]: o.answer(s, t)) for fmt in formats}
         if llama is not None:  # each answer reuses the evaluated context: the question, then the answer
-            engines["llama.cpp"] = lambda t, i=ids: (llama.answer(i, t), llama.decode_rate(i, t))
+            # the context is reused, the question evaluated each time, as ours forks it each time
+            # (reusing everything cached, a repeated question would cost llama.cpp one token)
+            engines["llama.cpp"] = lambda t, i=ids, c=len(ids) - question: (llama.answer(i, t, c),
+                                                                           llama.decode_rate(i, t))
         for _ in range(args.reps):
             for name, run in engines.items():
                 r = results.setdefault((name, size), {"a8": [], "a64": [], "decode": []})
