@@ -1273,14 +1273,10 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
             for (int q = 0; q < nq; q++) {
                 const float *qv = t->qs[q];
                 __m256 a[4];
-                for (int u = 0; u < 4; u++) { /* two chains of four: half the latency of one of eight */
+                for (int u = 0; u < 4; u++) {
                     __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_load_ps(kb[u]));
-                    __m256 y = _mm256_mul_ps(_mm256_loadu_ps(qv + 32), _mm256_load_ps(kb[u] + 32));
-                    for (int c = 1; c < 4; c++) {
-                        x = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_load_ps(kb[u] + 8 * c), x);
-                        y = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 32 + 8 * c), _mm256_load_ps(kb[u] + 32 + 8 * c), y);
-                    }
-                    a[u] = _mm256_add_ps(x, y);
+                    for (int c = 1; c < 8; c++) x = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_load_ps(kb[u] + 8 * c), x);
+                    a[u] = x;
                 }
                 float four[4];
                 _mm_storeu_ps(four, reduce4_256(a[0], a[1], a[2], a[3]));
