@@ -12,9 +12,21 @@ not share its interpreter; on a 2-core machine they still share the cores.
 
     python bench/capacity.py [--model embedded] [--seconds 40] [--max-feeds 256]
 
-The peer half (the same workload on llama.cpp's `llama-server`, re-asking each standing question
-after each row) is not built here: this machine has no `llama-server`, and the bench says so.
-Last line: `RESULT feeds=<n> llama_feeds=nan`.
+The peer half runs the same workload on llama.cpp's `llama-server` (a bench dependency only:
+`bash bench/build_llama_server.sh` builds it from the llama.cpp source that `llama-cpp-python`
+ships), on the same GGUF file the embedded model is read from, with as many threads: one slot
+per feed (`-np N`, each feed's requests pinned to its slot, `cache_prompt` on, so a slot keeps
+its feed's prefix and evaluates only what is new), greedy, up to 8 answer tokens. Its users
+re-ask each standing question after each row (a re-ask still running when rows arrive is
+followed by one over all of them), and ask the same question every 10 s. A flash evaluation's
+staleness is the same as the server's: the newest row it read arriving to its answer. The
+same pass rule and search; the server restarts for each trial (its slot count is N).
+Without a `llama-server` (not on PATH, not built to the default place, no --llama-server)
+that half is skipped, saying so, and its count prints as nan.
+
+    python bench/capacity.py [--only ours|llama] [--llama-server PATH] [--threads N]
+
+Last line: `RESULT feeds=<n> llama_feeds=<n> feeds_vs_llama=<x>`.
 """
 
 from __future__ import annotations
@@ -23,13 +35,17 @@ import argparse
 import asyncio
 import json
 import os
+import math
 import re
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,6 +56,7 @@ FLASH = [{"question": "Which station is the warmest right now?", "max_tokens": 8
 QUESTION = "What was the last temperature at the harbour?"
 STATIONS = ["north", "harbour", "airport", "hill", "valley"]
 STALENESS_P95_S, QUESTION_P95_S = 2.0, 1.0
+LLAMA_DEFAULT = Path.home() / ".cache" / "streamer-bench" / "llama-server"  # where build_llama_server.sh puts it
 
 
 def row(feed: int, i: int) -> str:
@@ -158,6 +175,12 @@ def trial(server: Server, n: int, seconds: float) -> dict:
 
     after = asyncio.run(run())
     counts = {b: c - before.get(b, 0) for b, c in after.items()}  # this trial's sessions (earlier ones are closed)
+    return summary(n, counts, latencies, errors)
+
+
+def summary(n: int, counts: dict[float, int], latencies: list[float], errors: list) -> dict:
+    """A trial's figures from its staleness counts (cumulative at bounds, +Inf: all) and question
+    latencies; it passes with >= 95% of evaluations within 2 s, question p95 <= 1 s, no errors."""
     total = counts.get(float("inf"), 0)
     ok_fraction = counts.get(STALENESS_P95_S, 0) / total if total else 0.0
     p95_bucket = next((b for b, c in counts.items() if total and c / total >= 0.95), float("inf"))
@@ -168,6 +191,195 @@ def trial(server: Server, n: int, seconds: float) -> dict:
             "question_p50_s": statistics.median(latencies) if latencies else float("nan"),
             "errors": errors[:3], "passed": passed}
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_json(port: int, method: str, path: str, body: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
+    """One HTTP/1.1 request to 127.0.0.1:port, its own connection (many run at once: one per
+    feed and request in flight); (status, JSON body)."""
+    async def go() -> tuple[int, dict]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            data = json.dumps(body).encode() if body is not None else b""
+            writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+            await writer.drain()
+            raw = await reader.read()
+        finally:
+            writer.close()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if b"transfer-encoding: chunked" in head.lower():
+            chunks, rest = [], payload
+            while rest:
+                size_line, _, rest = rest.partition(b"\r\n")
+                size = int(size_line.split(b";")[0], 16)
+                if not size:
+                    break
+                chunks.append(rest[:size])
+                rest = rest[size + 2:]
+            payload = b"".join(chunks)
+        try:
+            return status, json.loads(payload) if payload.strip() else {}
+        except json.JSONDecodeError:
+            return status, {"raw": payload[:200].decode(errors="replace")}
+    return await asyncio.wait_for(go(), timeout)
+
+
+class LlamaServer:
+    """`llama-server` on the embedded GGUF: `slots` parallel slots of `ctx_per_slot` tokens each."""
+
+    def __init__(self, binary: str, gguf: str, slots: int, ctx_per_slot: int, threads: int) -> None:
+        self.port = free_port()
+        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
+               "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
+               "--threads-http", str(2 * slots + 4), "--no-webui", "--log-disable"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines = (self.lines + [line])[-200:]
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"llama-server did not start ({' '.join(cmd)}):\n" + "".join(self.lines[-30:]))
+            try:
+                status, _ = asyncio.run(http_json(self.port, "GET", "/health", timeout=5))
+                if status == 200:
+                    return
+            except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+                pass
+            time.sleep(0.2)
+
+    async def complete(self, prompt: str, slot: int) -> dict:
+        status, body = await http_json(self.port, "POST", "/completion", {
+            "prompt": prompt, "id_slot": slot, "cache_prompt": True, "n_predict": 8, "temperature": 0.0,
+            "stream": False})
+        if status != 200:
+            raise RuntimeError(f"llama-server answered {status}: {str(body)[:200]}")
+        return body
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def llama_prompt(rows: list[str], question: str) -> str:
+    return ("Live weather readings, one a line: time,station,temperature (C),wind (km/h).\n" + "".join(rows)
+            + f"\nQuestion: {question}\nAnswer:")
+
+
+async def llama_feed(srv: LlamaServer, n: int, seconds: float, start_at: float, latencies: list[float],
+                     staleness: list[float], errors: list) -> None:
+    """One feed on its own slot: a row a second; after each row its user re-asks both standing
+    questions (over every row that has arrived), and every 10 rows asks the question."""
+    rows = [row(n, i) for i in range(10)]
+    arrived = [time.time()] * 10
+    for q in FLASH:  # the standing questions' first answers, before the clock (as the server's)
+        await srv.complete(llama_prompt(rows, q["question"]), n)
+    new_row = asyncio.Event()
+
+    async def reask() -> None:
+        while True:
+            await new_row.wait()
+            new_row.clear()
+            upto = len(rows)
+            for q in FLASH:
+                try:
+                    await srv.complete(llama_prompt(rows[:upto], q["question"]), n)
+                except (OSError, RuntimeError, asyncio.TimeoutError) as exc:
+                    errors.append(repr(exc))
+                    continue
+                staleness.append(time.time() - arrived[upto - 1])
+
+    standing = asyncio.create_task(reask())
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()) + (n % 10) / 10)
+    t0 = time.monotonic()
+    i = 10
+    while time.monotonic() - t0 < seconds:
+        rows.append(row(n, i))
+        arrived.append(time.time())
+        new_row.set()
+        if (i - 10) % 10 == 5:
+            asked = time.monotonic()
+            try:
+                await srv.complete(llama_prompt(rows, QUESTION), n)
+                latencies.append(time.monotonic() - asked)
+            except (OSError, RuntimeError, asyncio.TimeoutError) as exc:
+                errors.append(repr(exc))
+        i += 1
+        await asyncio.sleep(max(0.0, t0 + (i - 10) - time.monotonic()))
+    await asyncio.sleep(2)  # the re-asks of the last rows (the server's trial waits as long)
+    standing.cancel()
+
+
+def llama_trial(binary: str, gguf: str, threads: int, n: int, seconds: float) -> dict:
+    ctx = 256 * math.ceil((24 * (seconds + 20) + 160) / 256)  # 10 rows ahead, the trial's, slack; ~20 tokens a row
+    srv = LlamaServer(binary, gguf, n, ctx, threads)
+    latencies: list[float] = []
+    staleness: list[float] = []
+    errors: list = []
+    try:
+        async def run() -> None:
+            start_at = time.monotonic() + 5 + n * 0.2
+            await asyncio.gather(*(llama_feed(srv, k, seconds, start_at, latencies, staleness, errors) for k in range(n)))
+        asyncio.run(run())
+    finally:
+        srv.stop()
+    return summary(n, staleness_within(staleness), latencies, errors)
+
+
+def staleness_within(values: list[float]) -> dict[float, int]:
+    """Cumulative counts at the server histogram's bounds (+Inf: all) of a list of stalenesses."""
+    bounds = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, float("inf")]
+    return {b: sum(v <= b for v in values) for b in bounds}
+
+
+def search(run, max_feeds: int) -> int:
+    """The largest N that passes: double from 1 to the first failure, then bisect to within an eighth."""
+    good, bad, n = 0, None, 1
+    while n <= max_feeds:
+        if not run(n):
+            bad = n
+            break
+        good, n = n, n * 2
+    if bad is not None:
+        while bad - good > max(1, good // 8):
+            mid = (good + bad) // 2
+            if run(mid):
+                good = mid
+            else:
+                bad = mid
+    return good
+
+
+def report(label: str, r: dict) -> bool:
+    print(f"{label} {r['n']:4d} feeds: {r['evaluations']:5d} evaluations, staleness p95 <= {r['staleness_p95_le']:g} s "
+          f"({r['within_2s']:.1%} within 2 s); {r['questions']:3d} questions p50 {r['question_p50_s']:.2f} s "
+          f"p95 {r['question_p95_s']:.2f} s; {'pass' if r['passed'] else 'FAIL'}"
+          + (f"; errors {r['errors']}" if r["errors"] else ""), flush=True)
+    return r["passed"]
+
+
+def find_llama_server(given: str | None) -> str | None:
+    if given:
+        return given
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    return str(LLAMA_DEFAULT) if LLAMA_DEFAULT.exists() else None
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,39 +387,34 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=40.0, help="length of each trial (default: %(default)s)")
     parser.add_argument("--max-feeds", type=int, default=256, help="stop searching here (default: %(default)s)")
     parser.add_argument("--serve-arg", action="append", default=[], help="an extra `streamer serve` argument")
+    parser.add_argument("--only", choices=["ours", "llama"], help="run one half")
+    parser.add_argument("--llama-server", help=f"the llama-server binary (default: on PATH, else {LLAMA_DEFAULT})")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="llama-server's threads (default: the machine's %(default)s cores, as our pool)")
     args = parser.parse_args()
-    server = Server(args.model, args.serve_arg)
-    results: dict[int, dict] = {}
-
-    def run(n: int) -> bool:
-        r = trial(server, n, args.seconds)
-        results[n] = r
-        print(f"{n:4d} feeds: {r['evaluations']:5d} evaluations, staleness p95 <= {r['staleness_p95_le']:g} s "
-              f"({r['within_2s']:.1%} within 2 s); {r['questions']:3d} questions p50 {r['question_p50_s']:.2f} s "
-              f"p95 {r['question_p95_s']:.2f} s; {'pass' if r['passed'] else 'FAIL'}"
-              + (f"; errors {r['errors']}" if r["errors"] else ""), flush=True)
-        return r["passed"]
-
-    try:
-        good, bad, n = 0, None, 1
-        while n <= args.max_feeds:
-            if not run(n):
-                bad = n
-                break
-            good, n = n, n * 2
-        if bad is not None:
-            while bad - good > max(1, good // 8):  # bisect to within an eighth
-                mid = (good + bad) // 2
-                if run(mid):
-                    good = mid
-                else:
-                    bad = mid
-    finally:
-        server.stop()
-    print(f"feeds per machine ({args.model}, 1 row/s, 2 flash questions, a question every 10 s; "
-          f"staleness p95 <= {STALENESS_P95_S:g} s, question p95 <= {QUESTION_P95_S:g} s): {good}")
-    print("llama-server: not run (no llama-server on this machine; the peer half of this bench is not built)")
-    print(f"RESULT feeds={good} llama_feeds=nan")
+    ours = llama = float("nan")
+    if args.only != "llama":
+        server = Server(args.model, args.serve_arg)
+        try:
+            ours = search(lambda n: report("ours ", trial(server, n, args.seconds)), args.max_feeds)
+        finally:
+            server.stop()
+        print(f"feeds per machine, ours ({args.model}, 1 row/s, 2 flash questions, a question every 10 s; "
+              f"staleness p95 <= {STALENESS_P95_S:g} s, question p95 <= {QUESTION_P95_S:g} s): {ours}", flush=True)
+    if args.only != "ours":
+        binary = find_llama_server(args.llama_server)
+        if binary is None:
+            print("llama-server: skipped (none on PATH or at the default place; "
+                  "`bash bench/build_llama_server.sh` builds one, or pass --llama-server PATH)")
+        else:
+            from streamer.sessions.models import embedded_gguf_path
+            gguf = str(embedded_gguf_path())
+            print(f"llama-server: {binary} on {gguf}, {args.threads} threads", flush=True)
+            llama = search(lambda n: report("llama", llama_trial(binary, gguf, args.threads, n, args.seconds)),
+                           args.max_feeds)
+            print(f"feeds per machine, llama-server (the same workload and rule): {llama}", flush=True)
+    ratio = float("nan") if math.isnan(ours) or math.isnan(llama) else ours / llama if llama else float("inf")
+    print(f"RESULT feeds={ours} llama_feeds={llama} feeds_vs_llama={ratio:.2f}")
 
 
 if __name__ == "__main__":
