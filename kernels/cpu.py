@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .backend import layer_stride, parts_key, sequence_layout
+from .governor import GOVERNOR
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +294,9 @@ class Kernels:
         self.block_bytes = {bits: lib.sk_block_bytes(bits) for bits in (4, 8)}  # one block of a column group
         self.contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         self.shared = self.context()  # for callers without their own (a model's standalone linear layers)
+        # the pool's threads: at most what set_threads asked for, fewer while other work holds cores
+        self.threads_pool = GOVERNOR.adopt(f"native kernels {id(self):x}", self.cdll.sk_threads,
+                                           self.cdll.sk_set_threads, self.cdll.sk_threads())
 
     def simd(self) -> str:
         return SIMD[self.cdll.sk_simd()]
@@ -301,7 +305,14 @@ class Kernels:
         return self.cdll.sk_threads()
 
     def set_threads(self, n: int) -> int:
-        return self.cdll.sk_set_threads(max(1, int(n)))
+        """At most `n` threads from now (the caller's included): all `n` unless the thread
+        governor (kernels/governor.py) sees other work holding cores; returns the number in use."""
+        self.cdll.sk_set_threads(max(1, int(n)))  # starts the workers the ceiling needs
+        return self.threads_pool.set_ceiling(n)
+
+    @property
+    def ceiling(self) -> int:
+        return self.threads_pool.ceiling
 
     def context(self) -> Context:
         ctx = Context(self.cdll)

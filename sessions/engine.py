@@ -447,7 +447,8 @@ class EngineCore:
                 "flash_stale_marked": sum(1 for s in sessions for q in list(s.flash.questions.values()) if q.stale),
                 "kv_bytes_per_token": self.runner.kv_shape.bytes_per_token,
                 "attention_backend": self.runner.attention_backend,
-                "weights": self.runner.weights.public()}
+                "weights": self.runner.weights.public(),
+                **({"threads": threads} if (threads := self.runner.threads()) else {})}
 
 
 def snapshot_stats(core: EngineCore) -> dict:

@@ -19,6 +19,7 @@ import torch
 
 from streamer.kernels import cpu
 from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend
+from streamer.kernels.governor import GOVERNOR
 
 from .kvcache import KVBuffer, KVCache, KVShape
 from .multimodal import vl_parts
@@ -198,6 +199,13 @@ class ModelRunner:
         self.heads = cfg.num_attention_heads
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = param.device
+        # on a CPU, compute threads shrink while other work holds cores (kernels/governor.py);
+        # torch's intra-op threads run what the native stack does not. Not for a vision-language
+        # model: its vision tower's results depend on torch's thread count (tests/sessions/
+        # test_vl_engine.py compares frames encoded at different times bit for bit)
+        self.governed = self.device.type == "cpu" and self.vl is None
+        if self.governed:
+            GOVERNOR.adopt("torch", torch.get_num_threads, torch.set_num_threads, torch.get_num_threads())
         self.attention_backend = "reference"
         self.weights = weights or describe_weights(model)  # the linear layers' format (sessions/weights.py)
         self._inv_freq: torch.Tensor | None = None
@@ -224,6 +232,12 @@ class ModelRunner:
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         return KVCache(self.kv_shape, max_tokens or self.context_window)
 
+    def threads(self) -> dict | None:
+        """The compute threads a step gets now (CPU only; kernels/governor.py)."""
+        if not self.governed:
+            return None
+        return GOVERNOR.state(self.native.lib.threads_pool.name if self.native is not None else "torch")
+
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqStep], logits: str = "last") -> list[torch.Tensor] | None:
         """Run the new tokens of `seqs` in one forward; caches get the new K/V at their slots
@@ -242,6 +256,8 @@ class ModelRunner:
             seq.offset = len(ids)
             ids.extend(seq.tokens)
             positions.append(torch.arange(seq.position, seq.position + seq.n))
+        if self.governed:
+            GOVERNOR.tick(len(ids))
         if self.native is not None:
             hidden = self.native.forward(seqs, ids, torch.cat(positions))
             return self._logits(seqs, hidden, self.model.get_output_embeddings(), logits)

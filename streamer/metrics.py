@@ -125,6 +125,15 @@ def render(metrics: dict, connections: int, edge: dict | None = None, durability
                   "kernels": w["kernels"]}, 1)])
         metric("linear_weight_bytes", "gauge", "Bytes of linear-layer weights a decode step reads",
                [({}, w["linear_bytes"])])
+    if "threads" in metrics:  # on a CPU: the compute threads (kernels/governor.py)
+        t = metrics["threads"]
+        metric("compute_threads", "gauge", "Threads a step gets now, by kind of step (fewer while other work "
+               "holds cores)", [({"steps": "decode"}, t["decode_threads"]), ({"steps": "read"}, t["read_threads"])])
+        metric("compute_threads_ceiling", "gauge", "Most threads a step may get", [({}, t["ceiling"])])
+        metric("cpu_foreign_cores", "gauge", "Cores busy with other work than the compute threads' (last look)",
+               [({}, t["foreign_cores"])])
+        metric("compute_threads_changes_total", "counter", "Times the threads a kind of step gets changed",
+               [({}, t["changes"])])
     steps = stats["steps"] or 1
     metric("step_seconds_mean", "gauge", "Mean seconds per model step", [({}, stats["step_seconds"] / steps)])
     metric("step_tokens_mean", "gauge", "Mean tokens per model step", [({}, stats["step_tokens"] / steps)])
