@@ -64,6 +64,16 @@ def row(feed: int, i: int) -> str:
             f"{(i * 7 + feed) % 35 - 5}.5,{(i * 13 + feed) % 60}\n")
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 class Server:
     """`python -m streamer serve --port 0` in its own process."""
 
@@ -101,12 +111,7 @@ class Server:
         return dict(sorted(sums.items()))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
 
 async def feed(url: str, n: int, seconds: float, start_at: float, latencies: list[float], errors: list,
@@ -267,12 +272,7 @@ class LlamaServer:
         return body
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
 
 def llama_prompt(rows: list[str], question: str) -> str:
