@@ -35,7 +35,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,16 @@ class ThreadGovernor:
             if name not in self.pools:
                 self.pools[name] = Pool(self, name, get, put, ceiling)
             return self.pools[name]
+
+    @contextmanager
+    def fixed(self) -> Iterator[None]:
+        """Every pool runs its ceiling while inside (what a test of an exact thread count needs)."""
+        saved = self.enabled, dict(self.allowed_threads)
+        self.enabled, self.allowed_threads = False, {"small": UNLIMITED, "large": UNLIMITED}
+        try:
+            yield
+        finally:
+            self.enabled, self.allowed_threads = saved[0], saved[1]
 
     def allowed(self, ceiling: int, rows: int | None = None) -> int:
         kind = "large" if rows is None or rows > self.small_rows else "small"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from streamer.kernels import cpu as ck
+from streamer.kernels.governor import GOVERNOR
 from streamer.sessions.kvcache import KVCache, KVShape
 from streamer.sessions.models import build_tiny_model
 from streamer.sessions.native import NativeStack, QuantMatrix, quantize, quantize_q4_1, quantize_q8_0
@@ -95,18 +96,19 @@ def test_a_row_never_depends_on_the_others_or_the_threads(path):
     linear = torch.nn.Linear(576, 200, bias=False)
     x = torch.randn(300, 576)
     lib = path_lib(path)
-    threads = lib.threads()
-    try:
-        for bits in (4, 8):
-            matrix = quantize([linear], bits)
-            lib.set_threads(2)
-            full = linear_with(lib, matrix, x)
-            for lo, hi in ((0, 1), (5, 8), (17, 81), (299, 300)):
-                assert torch.equal(linear_with(lib, matrix, x[lo:hi]), full[lo:hi])
-            lib.set_threads(1)
-            assert torch.equal(linear_with(lib, matrix, x), full)
-    finally:
-        lib.set_threads(threads)
+    threads = lib.ceiling
+    with GOVERNOR.fixed():  # exactly the counts set here, whatever the machine's load
+        try:
+            for bits in (4, 8):
+                matrix = quantize([linear], bits)
+                assert lib.set_threads(2) == 2
+                full = linear_with(lib, matrix, x)
+                for lo, hi in ((0, 1), (5, 8), (17, 81), (299, 300)):
+                    assert torch.equal(linear_with(lib, matrix, x[lo:hi]), full[lo:hi])
+                assert lib.set_threads(1) == 1
+                assert torch.equal(linear_with(lib, matrix, x), full)
+        finally:
+            lib.set_threads(threads)
 
 
 def test_views_of_a_fused_matrix_are_its_rows():
@@ -207,23 +209,25 @@ def test_a_sequence_reads_the_same_alone_or_batched(tokenizer, path):
     world, equals itself in the batch; and one thread equals two."""
     native, _ = tiny_runners(tokenizer, torch.float16, seed=22, path=path, hidden=256, heads=4, kv_heads=2)
     prompt, reading = ids_of(37, 3), ids_of(300, 4)
-    batched = World(native, prompt, reading)
-    together = batched.step(batched.mixed_step(reading))
-    for i in range(5):
-        alone = World(native, prompt, reading)
-        seqs = alone.mixed_step(reading)
-        (out,) = alone.step([seqs[i]])
-        assert torch.equal(out, together[i]), i
     lib = native.native.lib
-    threads = lib.threads()
-    try:
-        lib.set_threads(1)
-        single = World(native, prompt, reading)
-        for a, b in zip(single.step(single.mixed_step(reading)), together):
-            assert torch.equal(a, b)
-        assert torch.equal(single.private.snapshot(), batched.private.snapshot())
-    finally:
-        lib.set_threads(threads)
+    threads = lib.ceiling
+    with GOVERNOR.fixed():  # two threads for the batch, one alone, whatever the machine's load
+        try:
+            assert lib.set_threads(2) == 2
+            batched = World(native, prompt, reading)
+            together = batched.step(batched.mixed_step(reading))
+            for i in range(5):
+                alone = World(native, prompt, reading)
+                seqs = alone.mixed_step(reading)
+                (out,) = alone.step([seqs[i]])
+                assert torch.equal(out, together[i]), i
+            lib.set_threads(1)
+            single = World(native, prompt, reading)
+            for a, b in zip(single.step(single.mixed_step(reading)), together):
+                assert torch.equal(a, b)
+            assert torch.equal(single.private.snapshot(), batched.private.snapshot())
+        finally:
+            lib.set_threads(threads)
 
 
 def _fp16_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

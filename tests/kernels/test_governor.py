@@ -73,6 +73,21 @@ def test_a_busy_process_on_a_core_takes_a_thread_from_the_pools_and_leaving_give
         lib.set_threads(before)
 
 
+def test_inside_fixed_every_pool_runs_its_ceiling():
+    governor = ck_governor.ThreadGovernor(window_s=0.05, enabled=True)
+    count = [4]
+    pool = governor.adopt("counted", lambda: count[0], lambda n: count.__setitem__(0, n), 4)
+    governor.allowed_threads = {"small": 1, "large": 2}  # as a loaded machine leaves it
+    governor.tick(64)
+    assert count[0] == 2
+    with governor.fixed():
+        assert pool.set_ceiling(4) == 4
+        governor.tick(1)
+        assert count[0] == 4
+    governor.tick(1)
+    assert count[0] == 1 and governor.enabled
+
+
 def test_the_governor_can_be_turned_off():
     governor = ck_governor.ThreadGovernor(window_s=0.05, enabled=False)
     count = [2]
