@@ -1,30 +1,28 @@
-"""Fewer compute threads while other work holds the cores: the thread governor.
+"""Fewer native-kernel threads while other work holds the cores: the thread governor.
 
-A step's work is split evenly over a pool's threads (the native kernels' pool, torch's
-intra-op threads) and they meet at barriers, so one thread that shares its core with another
-runnable task (a neighbour process, the server's own event loop or media threads, the
-hypervisor's steal) holds up the whole step. Measured on 2 cores with one taken by a busy
-process: the native stack decodes a token in 15 ms on 2 threads and 5.6 ms on 1, and reads
-about as fast on either; with a core a fifth busy, 2 threads still read 1.4x faster than 1 but
-decode no faster (bench/decode.py --hog). The tiny torch model answers the fairness bench's
-bystander in the same 42 ms idle on 1 thread as on 2, and its p99 under twenty_connections is
-2.35x idle on 1 against 3.64x on 2.
+A step's work is split evenly over the native kernels' pool threads, which meet at barriers,
+so one thread that shares its core with another runnable task (a neighbour process, the
+server's own event loop or media threads, the hypervisor's steal) holds up the whole step.
+Measured on 2 cores with one taken by a busy process: the native stack decodes a token in
+15 ms on 2 threads and 5.6 ms on 1, and reads about as fast on either; with a core 40% busy,
+2 threads still read faster than 1 but decode slower (bench/decode.py --hog).
 
-So before each step of the engine (`tick`, from ModelRunner.forward on a CPU device), at most
-once a `window_s`, the governor reads how busy the machine's CPUs were since its last look
-(/proc/stat, steal included) and how much of that was the pools' own threads: the stepping
-thread and every thread of the process that Python did not start (the native workers,
-torch's OpenMP workers), from /proc/self/task/<id>/schedstat. The rest is *foreign* load, in
-cores. A step of at most `small_rows` rows (decoding) gets floor(cores - foreign + 0.3)
+So before each step on the native stack (`tick`, from ModelRunner.forward), at most once a
+`window_s`, the governor reads how busy the machine's CPUs were since its last look
+(/proc/stat, steal included) and how much of that was the compute threads' own: the stepping
+thread and every thread of the process that Python did not start (the pool's workers; torch's
+OpenMP workers, idle here), from /proc/self/task/<id>/schedstat. The rest is *foreign* load,
+in cores. A step of at most `small_rows` rows (decoding) gets floor(cores - foreign + 0.3)
 threads, a larger one (reading) floor(cores - foreign + 0.75): one thread fewer once foreign
 load passes 0.3 core for decode steps, 0.75 for reading ones. Never fewer than one nor more
-than a pool's ceiling (what its owner set: `--threads`, torch's count, `Kernels.set_threads`);
-fewer at once, more only once two windows in a row agree.
+than the pool's ceiling (`--threads`, else torch's count: `Kernels.set_threads`); fewer at
+once, more only once two windows in a row agree.
 
 The native kernels' results never depend on their thread count (their splits are fixed;
-tests/kernels/test_cpu.py). Torch's CPU matmuls split output rows and columns over threads,
-and the text models here give bit-equal logits on 1 and 2 threads (tests/kernels/test_governor.py);
-a vision-language model is not governed (its vision tower's results do depend on the count).
+tests/kernels/test_cpu.py). Torch's threads are not governed: its results do depend on its
+thread count (a session replayed on 1 thread differed from the original on 2 in
+tests/sessions/test_thinking.py, and a VLM's vision tower in test_vl_engine.py), and replay
+must equal the original.
 
 Off with STREAMER_ADAPTIVE_THREADS=0, and where /proc is not Linux's (then the ceilings run).
 """
@@ -45,8 +43,8 @@ UNLIMITED = 1 << 30
 
 
 class Pool:
-    """One set of compute threads the governor sizes: how to read and set its count, and the
-    most it may run (its owner's choice)."""
+    """One set of compute threads the governor sizes (a build of the native kernels): how to
+    read and set its count, and the most it may run (its owner's choice)."""
 
     def __init__(self, governor: ThreadGovernor, name: str, get: Callable[[], int], put: Callable[[int], object],
                  ceiling: int) -> None:
@@ -62,7 +60,7 @@ class Pool:
 
     def apply(self, n: int) -> int:
         now = self.get()
-        if now != self.applied:  # its owner set it behind our back (torch.set_num_threads): a new ceiling
+        if now != self.applied:  # its owner set it behind our back: a new ceiling
             self.ceiling = max(1, now)
             n = min(n, self.ceiling)
         if now != n:

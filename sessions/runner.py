@@ -199,13 +199,10 @@ class ModelRunner:
         self.heads = cfg.num_attention_heads
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = param.device
-        # on a CPU, compute threads shrink while other work holds cores (kernels/governor.py);
-        # torch's intra-op threads run what the native stack does not. Not for a vision-language
-        # model: its vision tower's results depend on torch's thread count (tests/sessions/
-        # test_vl_engine.py compares frames encoded at different times bit for bit)
-        self.governed = self.device.type == "cpu" and self.vl is None
-        if self.governed:
-            GOVERNOR.adopt("torch", torch.get_num_threads, torch.set_num_threads, torch.get_num_threads())
+        # on the native stack, its pool's threads shrink while other work holds cores
+        # (kernels/governor.py). Not torch's: its results depend on its thread count (a session
+        # replayed on 1 thread differs from the original on 2: tests/sessions/test_thinking.py)
+        self.governed = self.native is not None
         self.attention_backend = "reference"
         self.weights = weights or describe_weights(model)  # the linear layers' format (sessions/weights.py)
         self._inv_freq: torch.Tensor | None = None
@@ -233,10 +230,10 @@ class ModelRunner:
         return KVCache(self.kv_shape, max_tokens or self.context_window)
 
     def threads(self) -> dict | None:
-        """The compute threads a step gets now (CPU only; kernels/governor.py)."""
+        """The native pool's threads a step gets now (kernels/governor.py); None off the native stack."""
         if not self.governed:
             return None
-        return GOVERNOR.state(self.native.lib.threads_pool.name if self.native is not None else "torch")
+        return GOVERNOR.state(self.native.lib.threads_pool.name)
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqStep], logits: str = "last") -> list[torch.Tensor] | None:

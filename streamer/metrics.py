@@ -125,7 +125,7 @@ def render(metrics: dict, connections: int, edge: dict | None = None, durability
                   "kernels": w["kernels"]}, 1)])
         metric("linear_weight_bytes", "gauge", "Bytes of linear-layer weights a decode step reads",
                [({}, w["linear_bytes"])])
-    if "threads" in metrics:  # on a CPU: the compute threads (kernels/governor.py)
+    if "threads" in metrics:  # on the native kernels: their pool's threads (kernels/governor.py)
         t = metrics["threads"]
         metric("compute_threads", "gauge", "Threads a step gets now, by kind of step (fewer while other work "
                "holds cores)", [({"steps": "decode"}, t["decode_threads"]), ({"steps": "read"}, t["read_threads"])])

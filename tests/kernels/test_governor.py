@@ -104,32 +104,6 @@ def test_the_governor_can_be_turned_off():
         hog.wait()
 
 
-@pytest.mark.parametrize("name", ["tiny", "embedded"])
-def test_torch_models_give_the_same_logits_on_one_thread_as_on_two(name):
-    """The governor changes torch's thread count between steps: the models' logits must not
-    depend on it (torch's CPU kernels split rows and columns over threads, not sums)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from streamer.sessions.models import build_tiny_model, embedded_model_dir, load_model
-
-    if name == "tiny":
-        model = build_tiny_model(AutoTokenizer.from_pretrained(embedded_model_dir()), seed=5, max_positions=512).model
-    else:
-        model = load_model("embedded").model
-    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(3))
-    before = torch.get_num_threads()
-    try:
-        out = {}
-        for n in (2, 1):
-            torch.set_num_threads(n)
-            with torch.no_grad():
-                out[n] = model(ids).logits
-        assert torch.equal(out[1], out[2])
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_streamer_serve_on_the_c_kernels_runs_fewer_threads_beside_a_busy_process():
     """The engine looks before each step: a session that keeps reading while a busy process
     holds a core is served by fewer threads (/metrics says so), and by all of them after."""
