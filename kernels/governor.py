@@ -42,6 +42,11 @@ ADAPTIVE_ENV = "STREAMER_ADAPTIVE_THREADS"  # "0": every pool runs its ceiling
 UNLIMITED = 1 << 30
 
 
+def no_limits() -> dict[str, int]:
+    """The threads each kind of step may get before any look, or with the governor off: all."""
+    return {"small": UNLIMITED, "large": UNLIMITED}
+
+
 class Pool:
     """One set of compute threads the governor sizes (a build of the native kernels): how to
     read and set its count, and the most it may run (its owner's choice)."""
@@ -79,7 +84,7 @@ class ThreadGovernor:
         self.window_s = window_s
         self.slack = {"small": small_slack, "large": large_slack}
         self.enabled = (os.environ.get(ADAPTIVE_ENV, "1") != "0") if enabled is None else enabled
-        self.allowed_threads = {"small": UNLIMITED, "large": UNLIMITED}
+        self.allowed_threads = no_limits()
         self.pools: dict[str, Pool] = {}
         self.foreign_cores = 0.0  # the last window's
         self.changes = 0
@@ -98,7 +103,7 @@ class ThreadGovernor:
     def fixed(self) -> Iterator[None]:
         """Every pool runs its ceiling while inside (what a test of an exact thread count needs)."""
         saved = self.enabled, dict(self.allowed_threads)
-        self.enabled, self.allowed_threads = False, {"small": UNLIMITED, "large": UNLIMITED}
+        self.enabled, self.allowed_threads = False, no_limits()
         try:
             yield
         finally:
@@ -153,7 +158,7 @@ class ThreadGovernor:
             except (OSError, ValueError, IndexError) as exc:
                 log.info("thread governor off: cannot read CPU times (%s)", exc)
                 self.enabled = False
-                self.allowed_threads = {"small": UNLIMITED, "large": UNLIMITED}
+                self.allowed_threads = no_limits()
                 for pool in list(self.pools.values()):
                     pool.apply(pool.ceiling)
                 return

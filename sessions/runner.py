@@ -199,10 +199,6 @@ class ModelRunner:
         self.heads = cfg.num_attention_heads
         self.context_window = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = param.device
-        # on the native stack, its pool's threads shrink while other work holds cores
-        # (kernels/governor.py). Not torch's: its results depend on its thread count (a session
-        # replayed on 1 thread differs from the original on 2: tests/sessions/test_thinking.py)
-        self.governed = self.native is not None
         self.attention_backend = "reference"
         self.weights = weights or describe_weights(model)  # the linear layers' format (sessions/weights.py)
         self._inv_freq: torch.Tensor | None = None
@@ -231,9 +227,7 @@ class ModelRunner:
 
     def threads(self) -> dict | None:
         """The native pool's threads a step gets now (kernels/governor.py); None off the native stack."""
-        if not self.governed:
-            return None
-        return GOVERNOR.state(self.native.lib.threads_pool.name)
+        return GOVERNOR.state(self.native.lib.threads_pool.name) if self.native is not None else None
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqStep], logits: str = "last") -> list[torch.Tensor] | None:
@@ -253,9 +247,11 @@ class ModelRunner:
             seq.offset = len(ids)
             ids.extend(seq.tokens)
             positions.append(torch.arange(seq.position, seq.position + seq.n))
-        if self.governed:
-            GOVERNOR.tick(len(ids))
         if self.native is not None:
+            # the native pool's threads shrink while other work holds cores (kernels/governor.py);
+            # torch's are left alone: its results depend on its thread count (a session replayed
+            # on 1 thread differs from the original on 2: tests/sessions/test_thinking.py)
+            GOVERNOR.tick(len(ids))
             hidden = self.native.forward(seqs, ids, torch.cat(positions))
             return self._logits(seqs, hidden, self.model.get_output_embeddings(), logits)
         shape = self.kv_shape
