@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from . import actions, background, flash, jobs, session as session_commands, thinking, window
 from .errors import Code, ContextOverflow, EngineError, EngineStopped, InvalidRequest, SessionNotFound
-from .futures import chain, settle
+from .futures import chain, settle, wakes_held
 from .jobs import Job, Lanes
 from .memory import Memory
 from .multimodal import vision_step
@@ -724,7 +724,12 @@ class Engine:
         gets its turn, then the engine steps, so no flood delays another session's step); more
         rounds while only one has (nobody waits behind it: a fast feed's queued inputs are all
         read by the next step, not `command_burst` a step), for at most `command_burst` x
-        `command_quantum_s` of command time. Returns how many ran."""
+        `command_quantum_s` of command time. Returns how many ran. Their waiters are woken once
+        per round, not once per command (`wakes_held`)."""
+        with wakes_held():
+            return self._command_rounds()
+
+    def _command_rounds(self) -> int:
         ready, total = Command.is_ready, 0
         started = time.perf_counter()
         budget = self.limits.command_burst * self.limits.command_quantum_s

@@ -1,9 +1,13 @@
-"""Resolving `concurrent.futures.Future`s from the engine thread, safely."""
+"""Resolving `concurrent.futures.Future`s from the engine thread, safely; and holding back the
+wake-ups of whoever waits on them while the engine runs a batch of commands."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from .errors import Code, EngineError
 
@@ -41,3 +45,47 @@ def _relay(src: Future, dst: Future, transform: Callable | None) -> None:
         settle(dst, exc=exc)
         return
     chain(src.result(), dst, transform)
+
+
+_held = threading.local()
+
+
+@contextmanager
+def wakes_held(max_hold_s: float = 0.002) -> Iterator[None]:
+    """Inside, a waiter's wake-up that can wait (`hold_wake`) is made once, when the block ends or
+    once the block is `max_hold_s` old, whichever is first: a round of small engine commands wakes
+    the event loop once, not once per command."""
+    outer = getattr(_held, "wakes", None)
+    if outer is not None:  # already holding: the outer block wakes
+        yield
+        return
+    _held.wakes, _held.since, _held.max_hold_s = {}, time.perf_counter(), max_hold_s
+    try:
+        yield
+    finally:
+        wakes, _held.wakes = _held.wakes, None
+        for wake in wakes.values():
+            wake()
+
+
+def hold_wake(key: object, wake: Callable[[], None]) -> bool:
+    """Called by a waker on the current thread: inside `wakes_held`, note `wake` (once per `key`)
+    for the block's end and return True; else, or once the block is older than its `max_hold_s`
+    (every held wake-up is then made now), return False: the caller wakes at once."""
+    wakes = getattr(_held, "wakes", None)
+    if wakes is None or release_old_wakes():
+        return False
+    wakes.setdefault(key, wake)
+    return True
+
+
+def release_old_wakes() -> bool:
+    """Inside a `wakes_held` block older than its `max_hold_s`, make the held wake-ups now (the
+    block holds on afresh) and return True; else False."""
+    wakes = getattr(_held, "wakes", None)
+    if wakes is None or time.perf_counter() - _held.since <= _held.max_hold_s:
+        return False
+    _held.wakes, _held.since = {}, time.perf_counter()
+    for wake in wakes.values():
+        wake()
+    return True

@@ -40,6 +40,7 @@ from websockets.protocol import State
 from streamer.sessions.errors import EngineError
 
 from .handlers import HANDLERS, Await, Peer, Services
+from .loopbridge import bridge
 from .outbox import Outbox
 from .protocol import Command, ProtocolError, ServerProtocol
 from .directory import Moved
@@ -586,7 +587,7 @@ class Connection:
             # shielded: a connection that goes away must not cancel the engine's future (the
             # engine finishes the work; sessions made after their client left are closed)
             future = outcome.future
-            result = await asyncio.shield(asyncio.wrap_future(future) if isinstance(future, Future) else future)
+            result = await asyncio.shield(bridge(self.loop).wrap(future) if isinstance(future, Future) else future)
             if outcome.durable is not None:
                 await asyncio.shield(outcome.durable)
             reply = outcome.reply(result)

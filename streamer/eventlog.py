@@ -46,6 +46,7 @@ from typing import Any
 
 from streamer.sessions.errors import Code, EngineError
 
+from .loopbridge import bridge
 from .directory import Directory, Moved
 from .records import Checkpoint, Create, Record, Void, note_event_ids
 from .recovery import applied
@@ -627,7 +628,7 @@ class EventLog:
         if fut is DUPLICATE:
             return fut
         try:
-            return await asyncio.wrap_future(fut)
+            return await bridge(asyncio.get_running_loop()).wrap(fut)
         except EngineError as exc:
             if getattr(record, "event_id", None) is not None:  # refused: a resend of its event is a new try
                 pipe.event_ids.pop(record.event_id, None)
@@ -672,7 +673,7 @@ class EventLog:
                 fut = call()
             finally:
                 self._pass(pipe)
-            result = await asyncio.wrap_future(fut)
+            result = await bridge(asyncio.get_running_loop()).wrap(fut)
             record = record_of(result)
             if record is None:  # the call changed nothing that needs logging
                 return result

@@ -30,6 +30,7 @@ from streamer.sessions.sampling import PENALTY_KEYS, SamplingParams
 
 from .directory import Moved
 from .eventlog import DUPLICATE
+from .loopbridge import bridge
 from .protocol import Command, ServerProtocol
 from .records import Append, Create, End, FlashRegister, FlashUnregister, Revise, Update
 from .store_base import StoreError
@@ -61,13 +62,18 @@ class Peer:
     media: Any = None  # its MediaHub, when the server takes media
     closed: bool = False
 
+    def post(self, fn: Callable, *args) -> None:
+        """Run `fn(*args)` on this peer's loop, in order with everything else the engine hands it
+        (streamer.loopbridge: one wake-up per batch). Safe from any thread."""
+        bridge(self.loop).post(fn, *args)
+
     def forwarder(self, sid: str):
         """An engine listener that forwards session events to this peer (called on the engine
         thread; the event is built and queued on the loop)."""
 
         def forward(event: str, payload: dict) -> None:
             if event in PUBLIC_EVENTS and not self.closed:
-                self.loop.call_soon_threadsafe(lambda: self.send(self.proto.event(event, session_id=sid, **payload)))
+                self.post(lambda: self.send(self.proto.event(event, session_id=sid, **payload)))
 
         return forward
 
@@ -157,12 +163,11 @@ def session_create(cmd: Command, peer: Peer, svc: Services):
         if peer.closed and not f.cancelled() and f.exception() is None:
             engine.close_session(f.result()["session_id"])
             if key_name is not None:
-                peer.loop.call_soon_threadsafe(svc.directory.release, key_name)
+                peer.post(svc.directory.release, key_name)
 
     fut.add_done_callback(orphan_check)
     if key_name is not None:  # give the reservation back if the engine refuses the session
-        fut.add_done_callback(lambda f: f.exception() is None or peer.loop.call_soon_threadsafe(
-            svc.directory.release, key_name))
+        fut.add_done_callback(lambda f: f.exception() is None or peer.post(svc.directory.release, key_name))
     return Await(fut, lambda state: _created(cmd, peer, svc, state, flash, key_name, evicted))
 
 
@@ -283,7 +288,7 @@ async def _resume(cmd: Command, peer: Peer, svc: Services) -> str:
         svc.take_over(sid, peer)  # one producer at a time: the newest resume wins
         tracked = svc.resumer.attach(sid)
         peer.produce(svc.engine, sid)
-        state = await asyncio.wrap_future(svc.engine.session_state(sid))
+        state = await bridge(peer.loop).wrap(svc.engine.session_state(sid))
     except Moved as exc:
         return peer.proto.event("error", reply_to=cmd.event_id, session_id=sid, error={
             "code": exc.code, "message": exc.message, "recoverable": True, "owner": exc.owner})
@@ -386,12 +391,12 @@ def query_create(cmd: Command, peer: Peer, svc: Services):
     def on_delta(delta: str) -> None:  # engine thread
         text = peer.proto.event("query.delta", reply_to=cmd.event_id, session_id=sid, query_id=query_id,
                                 index=next(index), delta=delta)
-        peer.loop.call_soon_threadsafe(peer.send, text)
+        peer.post(peer.send, text)
 
     handle = svc.engine.query(sid, cmd["question"], params, on_delta if f.get("stream", True) else None, query_id,
                               f.get("over", "sent"))
     peer.queries[key] = handle
-    handle.future.add_done_callback(lambda _: peer.loop.call_soon_threadsafe(peer.queries.pop, key, None))
+    handle.future.add_done_callback(lambda _: peer.post(peer.queries.pop, key, None))
     return Await(handle.future, lambda r: query_done(cmd, peer, r))
 
 

@@ -88,10 +88,7 @@ class MediaHub:
                     peer.send(peer.proto.event(event, session_id=sid, **payload))
 
             if not peer.closed:
-                try:
-                    peer.loop.call_soon_threadsafe(send)
-                except RuntimeError:  # the loop is gone (server shutting down): nobody to tell
-                    pass
+                peer.post(send)  # in order with the engine's replies; dropped once the loop is gone
 
         def send_error(cmd: Command, exc: EngineError) -> None:
             param = "payload" if exc.code in ("media_decode_error", "media_too_large") else None

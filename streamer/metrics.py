@@ -42,6 +42,8 @@ EDGE_COUNTERS = {
     "connections_reset": "Sockets closed unanswered past the descriptor guard (or twice an address's cap)",
     "handshakes_paced": "Websocket handshakes that waited their turn at the server's handshake rate",
     "handshakes_refused": "Websocket handshakes refused (server_busy): their turn at the handshake rate was too far",
+    "loop_handovers": "Callbacks the engine's threads handed to the event loop (replies, events)",
+    "loop_wakeups": "Times those hand-overs woke the event loop: one per batch (streamer.loopbridge)",
     "gc_tenured": "Full garbage collections whose survivors were frozen (streamer.heap; streamer serve only)",
     "gc_sweeps": "Sweeps of the frozen heap: one full collection of everything (streamer.heap)",
     "gc_swept_objects": "Objects the sweeps of the frozen heap reclaimed (cycles that died frozen)",

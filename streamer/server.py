@@ -40,6 +40,7 @@ from .media import MediaConfig, MediaHub
 from .heap import HeapKeeper
 from .metrics import EDGE_COUNTERS
 from .metrics import render as render_metrics
+from .loopbridge import bridge
 from .mqtt import MqttBridge
 from .protocol import ProtocolLimits
 from .realtime import RealtimeConnection, is_realtime
@@ -381,7 +382,9 @@ class StreamerServer:
             if viewer is None:
                 self.edge["auth_refused"] += 1
                 return _json_response(HTTPStatus.UNAUTHORIZED, {"error": "unknown API key"})
-            body = render_metrics(self.engine.metrics(), len(self.connections), self.edge,
+            handed = bridge(asyncio.get_running_loop())
+            edge = {**self.edge, "loop_handovers": handed.posted, "loop_wakeups": handed.wakeups}
+            body = render_metrics(self.engine.metrics(), len(self.connections), edge,
                                   self.durability_metrics(), self._shows(viewer)).encode()
             headers = Headers([("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(body))),
                                ("Connection", "close")])

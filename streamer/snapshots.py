@@ -17,6 +17,7 @@ from collections.abc import Callable
 from streamer.sessions.errors import EngineError
 
 from .directory import Directory, Tracked
+from .loopbridge import bridge
 from .store_base import Store
 
 log = logging.getLogger(__name__)
@@ -45,11 +46,10 @@ class Snapshots:
         loop, which owns `tracked`."""
         loop = asyncio.get_running_loop()
 
+        hand_over = bridge(loop).post  # after the loop has gone (shutting down), dropped
+
         def on_event(event: str, payload: dict) -> None:
-            try:
-                loop.call_soon_threadsafe(apply, event, payload)
-            except RuntimeError:  # the server's loop is gone (shutting down)
-                pass
+            hand_over(apply, event, payload)
 
         def apply(event: str, payload: dict) -> None:
             tracked.dirty = True
