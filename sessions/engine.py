@@ -62,6 +62,8 @@ class EngineLimits:
 
     step_tokens: int = 512  # token budget of one forward (chunked prefill size)
     query_step_tokens: int = 64  # budget while a question is running: keeps its decode steps short
+    query_step_cost: float = 2.0  # ... and within this many times what a step of the question alone costs (0: off)
+    max_step_s: float = 0.25  # a step is planned to take at most about this long, by the fitted step cost (0: off)
     max_sessions: int = 64
     max_question_tokens: int = 1024
     max_answer_tokens: int = 1024
@@ -209,7 +211,8 @@ class EngineCore:
         self.memory = Memory(runner.kv_shape, self.limits, self.stats,
                              lambda: [s for sid, s in self.sessions.items() if not self.lanes.busy(sid)])
         self.scheduler = Scheduler(self.limits.step_tokens, self.limits.query_step_tokens, self.limits.aging_s,
-                                   self.limits.share_half_life_s)
+                                   self.limits.share_half_life_s, self.limits.query_step_cost,
+                                   self.limits.max_step_s)
 
     @property
     def context_window(self) -> int:
@@ -314,7 +317,9 @@ class EngineCore:
         s.steps += 1
         s.step_tokens += tokens
         s.step_sequences += len(steps)
-        s.step_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        s.step_seconds += took
+        self.scheduler.observe(tokens, took)
         rows = iter(logits)
         for job, job_steps in batch:
             job.stepped(s.steps, tokens)

@@ -23,6 +23,13 @@ have waited, how many tokens they want, which FIFO jobs may join them) and retur
   step is kept short (`query_step_tokens`, or what those interactive jobs need) so their
   decode steps are not slowed by a large prefill. With several owners asking, the owner that
   needs least sets the step, so one client's many long questions cannot slow another's decode.
+  Short means by cost, too: from the steps it has seen (`StepCost`: seconds = fixed + per-token
+  x tokens, fitted as they run), a question's step packs no more work than keeps it within
+  `query_step_cost` (2x) of a step of its own. On a GPU, where 64 tokens cost about what one
+  does, that is `query_step_tokens`; on a CPU, where a token of prefill costs a sixth of a
+  decode step, it is a few tokens, so an 8-token answer is not paid at prefill rates. And no
+  step is planned to take over `max_step_s` (0.25 s): a question that arrives waits for the
+  step in progress, and a 512-token step on a 2-core CPU takes 0.7 s.
 - Joining: an append that finishes within the step takes the appends queued right behind it in
   its FIFO into the same step, so a backlog of small appends costs few large steps.
 """
@@ -81,15 +88,94 @@ class Usage:
 
 
 @dataclass(slots=True)
+class StepCost:
+    """What a step costs by its tokens, fitted to the steps run: seconds = fixed + per_token x
+    tokens, by least squares over the last `span` steps or so (older steps weigh less, halving
+    every `span` steps), so it follows the machine (another process taking a core, the context
+    growing). Unknown (`per_token` None) until `min_steps` steps of different sizes were seen."""
+
+    span: float = 256.0
+    min_steps: int = 16
+    # decayed sums: weight, tokens, seconds, tokens^2, tokens x seconds
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+    seen: int = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        keep = 0.5 ** (1.0 / self.span)
+        self.w = self.w * keep + 1.0
+        self.x = self.x * keep + tokens
+        self.y = self.y * keep + seconds
+        self.xx = self.xx * keep + tokens * tokens
+        self.xy = self.xy * keep + tokens * seconds
+        self.seen += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None while too few or too alike steps were seen."""
+        if self.seen < self.min_steps:
+            return None
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var < 1.0:  # every step the same size: no slope to read
+            return None
+        per_token = (self.xy / self.w - mx * my) / var
+        fixed = my - per_token * mx
+        if per_token <= 0 or fixed <= 0:
+            return None
+        return fixed, per_token
+
+    def tokens_for(self, seconds: float) -> int | None:
+        """The most tokens a step may hold and take at most `seconds`, or None while unknown."""
+        fitted = self.fit()
+        if fitted is None:
+            return None
+        fixed, per_token = fitted
+        return max(1, int((seconds - fixed) / per_token))
+
+    def tokens_within(self, ratio: float) -> int | None:
+        """The most tokens a step may hold and cost at most `ratio` x a one-token step, or None
+        while unknown."""
+        fitted = self.fit()
+        if fitted is None:
+            return None
+        fixed, per_token = fitted
+        return max(1, int(1 + (ratio - 1) * (fixed + per_token) / per_token))
+
+
+@dataclass(slots=True)
 class Scheduler:
     step_tokens: int = 512
     query_step_tokens: int = 64
     aging_s: float = 2.0
     share_half_life_s: float = 2.0
+    query_step_cost: float = 2.0  # a question's step costs at most this many times a step of its own (0: off)
+    max_step_s: float = 0.25  # a step takes at most about this long, by the cost model (0: off)
     usage: Usage = field(init=False)
+    cost: StepCost = field(init=False)
 
     def __post_init__(self) -> None:
         self.usage = Usage(self.share_half_life_s)
+        self.cost = StepCost()
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step of `tokens` took `seconds`: the cost model learns from it."""
+        self.cost.observe(tokens, seconds)
+
+    def step_budget(self) -> int:
+        """The most tokens a step packs: `step_tokens`, fewer where the steps seen say a step that
+        long would take over `max_step_s` (a question arriving meanwhile waits for the step in
+        progress); never fewer than `query_step_tokens`."""
+        within = self.cost.tokens_for(self.max_step_s) if self.max_step_s > 0 else None
+        return self.step_tokens if within is None else min(self.step_tokens, max(self.query_step_tokens, within))
+
+    def query_budget(self) -> int:
+        """The most tokens a step with a question in it packs: `query_step_tokens`, fewer where
+        the steps seen say more would cost over `query_step_cost` x a step of the question alone."""
+        within = self.cost.tokens_within(self.query_step_cost) if self.query_step_cost > 0 else None
+        return self.query_step_tokens if within is None else max(1, min(self.query_step_tokens, within))
 
     def rank(self, job: Job, now: float) -> tuple[float, int, int, int]:
         """Priority class, raised one class per `aging_s` waited; then the fair share (recent
@@ -125,10 +211,10 @@ class Scheduler:
                 owner = owner_of(job)
                 asking[owner] = asking.get(owner, 0) + job.want()
         if not asking:
-            return self.step_tokens
+            return self.step_budget()
         # Someone waits on each of these steps: pack only a little prefill with them. The owner
         # that needs least sets the size, so another's many long questions cannot slow its decode.
-        return min(self.step_tokens, max(self.query_step_tokens, min(asking.values())))
+        return min(self.step_tokens, max(self.query_budget(), min(asking.values())))
 
     def schedule(self, heads: list[Job], followers, now: float) -> StepPlan:
         """`heads`: every job that may run now; `followers(job)`: the FIFO jobs that may join

@@ -3,6 +3,8 @@ returns a plan, and changes nothing."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from streamer.sessions.jobs import Job, Priority
 from streamer.sessions.scheduler import Scheduler
 
@@ -141,3 +143,66 @@ def test_with_several_owners_asking_the_lightest_sets_the_step():
     long_one = Plain("b", Priority.QUERY, 200, 10, owner="bystander")  # its long question prefills in one step
     plan = s.schedule([*own, long_one], lambda job: [], 1000.0)
     assert plan.budget == 200 and names(plan) == [("b", 200, None)]
+
+
+def test_the_step_cost_model_reads_fixed_and_per_token_cost_from_the_steps_seen():
+    from streamer.sessions.scheduler import StepCost
+    cost = StepCost()
+    assert cost.fit() is None and cost.tokens_within(2.0) is None
+    for i in range(40):  # a CPU: 8 ms a step plus 1.4 ms a token
+        n = (1, 8, 64, 512)[i % 4]
+        cost.observe(n, 0.008 + 0.0014 * n)
+    fixed, per_token = cost.fit()
+    assert fixed == pytest.approx(0.008, rel=1e-6) and per_token == pytest.approx(0.0014, rel=1e-6)
+    assert cost.tokens_within(2.0) == 7  # 8 ms + 1.4 ms x 7 = 17.8 ms <= 2 x 9.4 ms; 8 tokens: 19.2 ms
+    same = StepCost()
+    for _ in range(40):
+        same.observe(1, 0.01)  # only one size seen: no slope to read
+    assert same.fit() is None
+
+
+def test_a_question_step_on_a_slow_per_token_machine_packs_few_tokens():
+    """Where a token costs much of a decode step (a CPU), the step a question decodes in carries
+    only what keeps it within query_step_cost of the question's own step; where tokens are
+    nearly free (a GPU), query_step_tokens."""
+    bystander = Plain("b", Priority.QUERY, 1, 10, owner="bystander")
+    flash = [Plain(f"f{i}", Priority.FLASH, 1, i, owner=f"o{i}") for i in range(30)]
+    cpu = Scheduler(step_tokens=512, query_step_tokens=64)
+    gpu = Scheduler(step_tokens=512, query_step_tokens=64)
+    off = Scheduler(step_tokens=512, query_step_tokens=64, query_step_cost=0)
+    for i in range(40):
+        n = (1, 8, 64, 512)[i % 4]
+        cpu.observe(n, 0.008 + 0.0014 * n)
+        gpu.observe(n, 0.010 + 0.00001 * n)
+        off.observe(n, 0.008 + 0.0014 * n)
+    assert cpu.schedule([bystander, *flash], lambda job: [], 1000.0).budget == 7
+    assert names(cpu.schedule([bystander, *flash], lambda job: [], 1000.0))[0] == ("b", 1, None)
+    assert gpu.schedule([bystander, *flash], lambda job: [], 1000.0).budget == 64
+    assert off.schedule([bystander, *flash], lambda job: [], 1000.0).budget == 64
+    assert cpu.schedule(flash, lambda job: [], 1000.0).budget == 172  # no question: max_step_s's (below)
+    long_one = Plain("b", Priority.QUERY, 200, 10, owner="bystander")  # its own prefill still goes in one step
+    assert cpu.schedule([long_one, *flash], lambda job: [], 1000.0).budget == 200
+
+
+def test_no_step_is_planned_longer_than_max_step_s_by_the_cost_model():
+    """A question arriving waits for the step in progress: where a 512-token step would take
+    0.7 s (a 2-core CPU), steps stay within max_step_s; on a fast machine, step_tokens."""
+    backlog = [Plain(f"i{i}", Priority.INGEST, 400, i, owner=f"o{i}") for i in range(4)]
+    cpu = Scheduler(step_tokens=512, query_step_tokens=64, max_step_s=0.25)
+    fast = Scheduler(step_tokens=512, query_step_tokens=64, max_step_s=0.25)
+    off = Scheduler(step_tokens=512, query_step_tokens=64, max_step_s=0)
+    assert cpu.schedule(backlog, lambda job: [], 1000.0).budget == 512  # nothing seen yet: step_tokens
+    for i in range(40):
+        n = (1, 8, 64, 512)[i % 4]
+        cpu.observe(n, 0.008 + 0.0014 * n)
+        fast.observe(n, 0.010 + 0.00001 * n)
+        off.observe(n, 0.008 + 0.0014 * n)
+    plan = cpu.schedule(backlog, lambda job: [], 1000.0)
+    assert plan.budget == 172 and plan.tokens == 172  # (0.25 - 0.008) / 0.0014
+    assert fast.schedule(backlog, lambda job: [], 1000.0).budget == 512
+    assert off.schedule(backlog, lambda job: [], 1000.0).budget == 512
+    slow = Scheduler(step_tokens=512, query_step_tokens=64, max_step_s=0.25)
+    for i in range(40):
+        n = (1, 8, 64, 512)[i % 4]
+        slow.observe(n, 0.1 + 0.01 * n)  # even 64 tokens take longer: never under query_step_tokens
+    assert slow.schedule(backlog, lambda job: [], 1000.0).budget == 64
