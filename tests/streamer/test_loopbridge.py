@@ -41,58 +41,51 @@ def test_posts_from_another_thread_run_in_order_with_fewer_wakeups_while_the_loo
     assert 1 <= b.wakeups < 100
 
 
-def test_a_held_round_wakes_the_loop_once_at_its_end():
+def engine_round(body) -> tuple[list[int], list[int], LoopBridge]:
+    """Run `body(bridge, seen, during)` on another thread, as the engine runs a round, while the
+    loop stays free; then let the loop run what was handed to it. `seen`: what ran on the loop;
+    `during`: what the body noted of it."""
     async def main():
-        loop = asyncio.get_running_loop()
-        b = LoopBridge(loop)
+        b = LoopBridge(asyncio.get_running_loop())
         seen: list[int] = []
         during: list[int] = []
-
-        def engine_round():
-            with wakes_held(max_hold_s=5.0):
-                for i in range(50):
-                    b.post(seen.append, i)
-                    time.sleep(0.001)  # the loop is free meanwhile, but was not woken
-                during.append(len(seen))
-
-        t = threading.Thread(target=engine_round)
+        t = threading.Thread(target=body, args=(b, seen, during))
         t.start()
         while t.is_alive():
             await asyncio.sleep(0.001)
         for _ in range(100):
-            if len(seen) == 50:
+            if len(seen) == b.posted:
                 break
             await asyncio.sleep(0.01)
         return seen, during, b
 
-    seen, during, b = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_held_round_wakes_the_loop_once_at_its_end():
+    def body(b, seen, during):
+        with wakes_held(max_hold_s=5.0):
+            for i in range(50):
+                b.post(seen.append, i)
+                time.sleep(0.001)  # the loop is free meanwhile, but was not woken
+            during.append(len(seen))
+
+    seen, during, b = engine_round(body)
     assert during == [0]
     assert seen == list(range(50))
     assert b.wakeups == 1
 
 
 def test_a_round_held_too_long_wakes_the_loop_on_the_way():
-    async def main():
-        loop = asyncio.get_running_loop()
-        b = LoopBridge(loop)
-        seen: list[int] = []
-        during: list[int] = []
+    def body(b, seen, during):
+        with wakes_held(max_hold_s=0.005):
+            b.post(seen.append, 0)
+            time.sleep(0.05)
+            b.post(seen.append, 1)  # the block is older than max_hold_s: wakes now
+            time.sleep(0.05)
+            during.append(len(seen))
 
-        def engine_round():
-            with wakes_held(max_hold_s=0.005):
-                b.post(seen.append, 0)
-                time.sleep(0.05)
-                b.post(seen.append, 1)  # the block is older than max_hold_s: wakes now
-                time.sleep(0.05)
-                during.append(len(seen))
-
-        t = threading.Thread(target=engine_round)
-        t.start()
-        while t.is_alive():
-            await asyncio.sleep(0.001)
-        return seen, during
-
-    seen, during = asyncio.run(main())
+    seen, during, _ = engine_round(body)
     assert during == [2]
     assert seen == [0, 1]
 
