@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from . import actions, background, flash, jobs, session as session_commands, thinking, window
 from .errors import Code, ContextOverflow, EngineError, EngineStopped, InvalidRequest, SessionNotFound
-from .futures import chain, settle, wakes_held
+from .futures import chain, release_old_wakes, settle, wakes_held
 from .jobs import Job, Lanes
 from .memory import Memory
 from .multimodal import vision_step
@@ -730,7 +730,8 @@ class Engine:
         rounds while only one has (nobody waits behind it: a fast feed's queued inputs are all
         read by the next step, not `command_burst` a step), for at most `command_burst` x
         `command_quantum_s` of command time. Returns how many ran. Their waiters are woken once
-        per round, not once per command (`wakes_held`)."""
+        per round, not once per command (`wakes_held`), or after the first command to end 2 ms
+        into the hold."""
         with wakes_held():
             return self._command_rounds()
 
@@ -750,6 +751,7 @@ class Engine:
                     if command is None:
                         break
                     command.run()
+                    release_old_wakes()  # a reply held 2 ms goes now, not after the round
                     self.stats.commands += 1
                     ran += 1
                     if time.perf_counter() - turn >= self.limits.command_quantum_s:

@@ -3,6 +3,7 @@ wake-ups of whoever waits on them while the engine runs a batch of commands."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,6 +11,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 
 from .errors import Code, EngineError
+
+log = logging.getLogger(__name__)
 
 
 def settle(fut: Future, result: object = None, exc: BaseException | None = None) -> None:
@@ -64,8 +67,7 @@ def wakes_held(max_hold_s: float = 0.002) -> Iterator[None]:
         yield
     finally:
         wakes, _held.wakes = _held.wakes, None
-        for wake in wakes.values():
-            wake()
+        _wake_all(wakes)
 
 
 def hold_wake(key: object, wake: Callable[[], None]) -> bool:
@@ -86,6 +88,13 @@ def release_old_wakes() -> bool:
     if wakes is None or time.perf_counter() - _held.since <= _held.max_hold_s:
         return False
     _held.wakes, _held.since = {}, time.perf_counter()
-    for wake in wakes.values():
-        wake()
+    _wake_all(wakes)
     return True
+
+
+def _wake_all(wakes: dict) -> None:
+    for wake in wakes.values():
+        try:
+            wake()
+        except Exception:  # one failing waker never keeps the others' wake-ups held
+            log.exception("a held wake-up failed")

@@ -25,11 +25,12 @@ have waited, how many tokens they want, which FIFO jobs may join them) and retur
   needs least sets the step, so one client's many long questions cannot slow another's decode.
   Short means by cost, too: from the steps it has seen (`StepCost`: seconds = fixed + per-token
   x tokens, fitted as they run), a question's step packs no more work than keeps it within
-  `query_step_cost` (2x) of a step of its own. On a GPU, where 64 tokens cost about what one
+  `query_step_cost` (2x) of a step of a token for each question (and action) alone. On a GPU, where 64 tokens cost about what one
   does, that is `query_step_tokens`; on a CPU, where a token of prefill costs a sixth of a
   decode step, it is a few tokens, so an 8-token answer is not paid at prefill rates. And no
-  step is planned to take over `max_step_s` (0.25 s): a question that arrives waits for the
-  step in progress, and a 512-token step on a 2-core CPU takes 0.7 s.
+  step is planned to take over `max_step_s` (0.25 s), questions' own prefill included (it is
+  chunked): a question that arrives waits for the step in progress, and a 512-token step on a
+  2-core CPU takes 0.7 s.
 - Joining: an append that finishes within the step takes the appends queued right behind it in
   its FIFO into the same step, so a backlog of small appends costs few large steps.
 """
@@ -103,6 +104,7 @@ class StepCost:
     xx: float = 0.0
     xy: float = 0.0
     seen: int = 0
+    last: tuple[float, float] | None = None  # the last good fit
 
     def observe(self, tokens: int, seconds: float) -> None:
         keep = 0.5 ** (1.0 / self.span)
@@ -114,18 +116,21 @@ class StepCost:
         self.seen += 1
 
     def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None while too few or too alike steps were seen."""
+        """(fixed seconds, seconds per token), or None until a fit was possible. A fit needs
+        `min_steps` steps whose sizes spread (standard deviation at least a quarter of their
+        mean: steps of much the same size give a slope of noise) and a positive fixed and
+        per-token cost; while the recent steps give none, the last good fit stands."""
         if self.seen < self.min_steps:
-            return None
+            return self.last
         mx, my = self.x / self.w, self.y / self.w
         var = self.xx / self.w - mx * mx
-        if var < 1.0:  # every step the same size: no slope to read
-            return None
+        if var < max(1.0, (0.25 * mx) ** 2):
+            return self.last
         per_token = (self.xy / self.w - mx * my) / var
         fixed = my - per_token * mx
-        if per_token <= 0 or fixed <= 0:
-            return None
-        return fixed, per_token
+        if per_token > 0 and fixed > 0:
+            self.last = (fixed, per_token)
+        return self.last
 
     def tokens_for(self, seconds: float) -> int | None:
         """The most tokens a step may hold and take at most `seconds`, or None while unknown."""
@@ -135,14 +140,14 @@ class StepCost:
         fixed, per_token = fitted
         return max(1, int((seconds - fixed) / per_token))
 
-    def tokens_within(self, ratio: float) -> int | None:
-        """The most tokens a step may hold and cost at most `ratio` x a one-token step, or None
-        while unknown."""
+    def tokens_within(self, ratio: float, base: int = 1) -> int | None:
+        """The most tokens a step may hold and cost at most `ratio` x a step of `base` tokens
+        (never fewer than `base`), or None while unknown."""
         fitted = self.fit()
         if fitted is None:
             return None
         fixed, per_token = fitted
-        return max(1, int(1 + (ratio - 1) * (fixed + per_token) / per_token))
+        return max(base, int(base + (ratio - 1) * (fixed + per_token * base) / per_token))
 
 
 @dataclass(slots=True)
@@ -171,11 +176,12 @@ class Scheduler:
         within = self.cost.tokens_for(self.max_step_s) if self.max_step_s > 0 else None
         return self.step_tokens if within is None else min(self.step_tokens, max(self.query_step_tokens, within))
 
-    def query_budget(self) -> int:
-        """The most tokens a step with a question in it packs: `query_step_tokens`, fewer where
-        the steps seen say more would cost over `query_step_cost` x a step of the question alone."""
-        within = self.cost.tokens_within(self.query_step_cost) if self.query_step_cost > 0 else None
-        return self.query_step_tokens if within is None else max(1, min(self.query_step_tokens, within))
+    def query_budget(self, asking: int = 1) -> int:
+        """The most tokens a step with `asking` questions (and actions) in it packs:
+        `query_step_tokens`, fewer where the steps seen say more would cost over
+        `query_step_cost` x a step of a token for each of them alone (never fewer than that)."""
+        within = (self.cost.tokens_within(self.query_step_cost, asking) if self.query_step_cost > 0 else None)
+        return self.query_step_tokens if within is None else max(asking, min(self.query_step_tokens, within))
 
     def rank(self, job: Job, now: float) -> tuple[float, int, int, int]:
         """Priority class, raised one class per `aging_s` waited; then the fair share (recent
@@ -206,15 +212,18 @@ class Scheduler:
 
     def budget(self, jobs: list[Job]) -> int:
         asking: dict[str, int] = {}  # owner -> tokens its questions and actions want now
+        interactive = 0
         for job in jobs:
             if job.priority <= Priority.ACTION:
                 owner = owner_of(job)
                 asking[owner] = asking.get(owner, 0) + job.want()
+                interactive += 1
         if not asking:
             return self.step_budget()
-        # Someone waits on each of these steps: pack only a little prefill with them. The owner
-        # that needs least sets the size, so another's many long questions cannot slow its decode.
-        return min(self.step_tokens, max(self.query_budget(), min(asking.values())))
+        # Someone waits on each of these steps: pack only a little prefill with them (each of
+        # them gets its token). The owner that needs least sets the size, so another's many long
+        # questions cannot slow its decode.
+        return min(self.step_budget(), max(self.query_budget(interactive), min(asking.values())))
 
     def schedule(self, heads: list[Job], followers, now: float) -> StepPlan:
         """`heads`: every job that may run now; `followers(job)`: the FIFO jobs that may join

@@ -6,9 +6,11 @@ many small commands a step (twenty connections each asking `session.get`, say) t
 took most of each command's time on the engine thread. A `LoopBridge` queues callbacks in order
 and wakes the loop only when no wake-up is pending: while the loop is busy, everything the
 engine hands it meanwhile rides the one wake-up already on its way. Callbacks run in the order
-they were posted, so a connection's events and replies keep their order (every engine-to-loop
-hand-over of a connection goes through its loop's bridge). While the engine runs a round of
-commands (`sessions.futures.wakes_held`), the wake-up waits for the round's end (2 ms at most).
+they were posted (every engine-to-loop hand-over of a connection goes through its loop's bridge:
+an event is sent from its callback, a reply by the task its future wakes, a loop iteration or two
+later, as with `asyncio.wrap_future`). While the engine runs a round of commands
+(`sessions.futures.wakes_held`), the wake-up waits for the round's end, or for the first command
+to end 2 ms after the hold began.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _bridges_lock = threading.Lock()
 
 class LoopBridge:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = weakref.ref(loop)  # the bridge is kept per loop: it must not keep its loop alive
         self._queue: deque = deque()
         self._lock = threading.Lock()
         self._scheduled = False
@@ -41,9 +43,14 @@ class LoopBridge:
     def post(self, fn: Callable, *args) -> None:
         """Run `fn(*args)` on the loop, after everything posted before it. Safe from any thread;
         after the loop has closed the callback is dropped."""
+        loop = self._loop()
         with self._lock:
-            self._queue.append((fn, args))
             self.posted += 1
+            if loop is None or loop.is_closed():  # nothing will run there again (a wake-up may
+                self._queue.clear()               # have been pending when it closed)
+                self._scheduled = False
+                return
+            self._queue.append((fn, args))
             first, self._scheduled = not self._scheduled, True
         if not first:  # a wake-up is on its way, or held by a round (made now if the round is too old)
             release_old_wakes()
@@ -54,7 +61,10 @@ class LoopBridge:
         with self._lock:
             self.wakeups += 1
         try:
-            self.loop.call_soon_threadsafe(self._run)
+            loop = self._loop()
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._run)
         except RuntimeError:  # the loop is closed: nothing will run there again
             with self._lock:
                 self._queue.clear()
@@ -67,13 +77,17 @@ class LoopBridge:
         for fn, args in batch:
             try:
                 fn(*args)
-            except Exception:  # one broken callback never drops the others
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException:  # one broken callback never drops the others (as asyncio's handles)
                 log.exception("callback %r failed", fn)
 
-    def wrap(self, fut: Future) -> asyncio.Future:
+    def wrap(self, fut: Future | asyncio.Future) -> asyncio.Future:
         """An asyncio future on the loop that takes `fut`'s outcome (asyncio.wrap_future, through
         the bridge; cancelling the waiter cancels `fut`, as there). Call it on the loop."""
-        waiter = self.loop.create_future()
+        if asyncio.isfuture(fut):  # already the loop's
+            return fut
+        waiter = self._loop().create_future()
         waiter.add_done_callback(lambda w: fut.cancel() if w.cancelled() else None)
         fut.add_done_callback(lambda f: self.post(_copy, f, waiter))
         return waiter

@@ -22,6 +22,7 @@ from typing import Any
 from streamer.sessions.errors import Code, EngineError
 from streamer.sessions.futures import chain, settle
 
+from .loopbridge import bridge
 from .protocol import Command
 from .records import Append, Frame, Revise, Update
 
@@ -125,7 +126,7 @@ class MediaHub:
         else:  # on the loop, without waiting: a container's piece goes straight into its decoder
             taken = stream.ingest.feed(kind, fields["format"], fields["payload"], fields["seq"], fields["ts"],
                                        bool(fields.get("end")), fields.get("live", True))
-        fut = asyncio.wrap_future(taken, loop=loop)
+        fut = bridge(loop).wrap(taken)  # in order with the stream's observation events
         stream.backlog.append(fut)
 
         def done(f: asyncio.Future) -> None:

@@ -159,6 +159,12 @@ def test_the_step_cost_model_reads_fixed_and_per_token_cost_from_the_steps_seen(
     for _ in range(40):
         same.observe(1, 0.01)  # only one size seen: no slope to read
     assert same.fit() is None
+    for i in range(4000):  # then only steps of about one size: no new fit, the last good one stands
+        cost.observe(20 + i % 3, 0.03 + 0.001 * (i % 7))
+    stands = cost.fit()
+    assert stands is not None and stands == cost.last
+    cost.observe(21, 0.05)
+    assert cost.fit() == stands
 
 
 def test_a_question_step_on_a_slow_per_token_machine_packs_few_tokens():
@@ -180,8 +186,15 @@ def test_a_question_step_on_a_slow_per_token_machine_packs_few_tokens():
     assert gpu.schedule([bystander, *flash], lambda job: [], 1000.0).budget == 64
     assert off.schedule([bystander, *flash], lambda job: [], 1000.0).budget == 64
     assert cpu.schedule(flash, lambda job: [], 1000.0).budget == 172  # no question: max_step_s's (below)
-    long_one = Plain("b", Priority.QUERY, 200, 10, owner="bystander")  # its own prefill still goes in one step
-    assert cpu.schedule([long_one, *flash], lambda job: [], 1000.0).budget == 200
+    long_one = Plain("b", Priority.QUERY, 120, 10, owner="bystander")  # its own prefill goes in one step
+    assert cpu.schedule([long_one, *flash], lambda job: [], 1000.0).budget == 120
+    longer = Plain("b", Priority.QUERY, 400, 10, owner="bystander")  # ... chunked to max_step_s
+    assert cpu.schedule([longer, *flash], lambda job: [], 1000.0).budget == 172
+    # twenty questions decoding at once each get their token, with what keeps the step within 2x
+    # of a step of their twenty tokens: 20 + (8 ms + 1.4 ms x 20) / 1.4 ms = 45
+    many = [Plain(f"q{i}", Priority.QUERY, 1, 100 + i, owner=f"u{i}") for i in range(20)]
+    plan = cpu.schedule([*many, *flash], lambda job: [], 1000.0)
+    assert plan.budget == 45 and {e.job.name for e in plan.entries} >= {f"q{i}" for i in range(20)}
 
 
 def test_no_step_is_planned_longer_than_max_step_s_by_the_cost_model():

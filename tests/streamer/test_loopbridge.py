@@ -127,13 +127,21 @@ def test_wrap_carries_results_errors_and_cancellation():
     asyncio.run(main())
 
 
-def test_a_post_after_the_loop_closed_is_dropped():
+def test_a_post_after_the_loop_closed_is_dropped_and_the_bridge_keeps_no_loop_alive():
+    import gc
+    import weakref
+
     loop = asyncio.new_event_loop()
-    b = LoopBridge(loop)
+    b = bridge(loop)
+    b.post(print, "never")  # a wake-up is pending when the loop closes
     loop.close()
-    b.post(print, "never")  # no error, nothing left queued
+    b.post(print, "never")  # no error, and nothing stays queued
     b.post(print, "never")
-    assert b.posted == 2
+    assert b.posted == 3 and not b._queue
+    gone = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_flood_of_session_gets_on_a_real_server_shares_wakeups(tmp_path):
