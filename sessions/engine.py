@@ -317,9 +317,7 @@ class EngineCore:
         s.steps += 1
         s.step_tokens += tokens
         s.step_sequences += len(steps)
-        took = time.perf_counter() - started
-        s.step_seconds += took
-        self.scheduler.observe(tokens, took)
+        s.step_seconds += time.perf_counter() - started
         rows = iter(logits)
         for job, job_steps in batch:
             job.stepped(s.steps, tokens)
@@ -331,6 +329,9 @@ class EngineCore:
                 continue
             if job.done:
                 self._finish(job)
+        # what the step cost, its jobs' sampling included: on a GPU the forward returns before
+        # its kernels end, and reading the logits waits for them
+        self.scheduler.observe(tokens, time.perf_counter() - started)
 
     def _finish(self, job: Job, exc: BaseException | None = None) -> None:
         self.lanes.remove(job)
