@@ -731,12 +731,8 @@ class Engine:
         rounds while only one has (nobody waits behind it: a fast feed's queued inputs are all
         read by the next step, not `command_burst` a step), for at most `command_burst` x
         `command_quantum_s` of command time. Returns how many ran. Their waiters are woken once
-        per round, not once per command (`wakes_held`), or after the first command to end 2 ms
-        into the hold."""
-        with wakes_held():
-            return self._command_rounds()
-
-    def _command_rounds(self) -> int:
+        per round, not once per command (`_run` holds them: `wakes_held`), or after the first
+        command to end 2 ms into the hold."""
         ready, total = Command.is_ready, 0
         started = time.perf_counter()
         budget = self.limits.command_burst * self.limits.command_quantum_s
@@ -771,7 +767,8 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
-            ran = self._commands()
+            with wakes_held():
+                ran = self._commands()
             if not self.core.step() and not ran:
                 self._wake.wait(self.core.next_wakeup())
                 self._wake.clear()

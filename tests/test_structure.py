@@ -312,13 +312,14 @@ def test_feature_state_is_grouped():
 # pipe). Each trace's handoffs are exactly the sites named here, each path function holds no
 # other crossing, and the doc's table marks the same number of handoffs.
 CROSSING = {"call_soon_threadsafe", "run_coroutine_threadsafe", "run_in_executor", "to_thread", "wrap_future"}
+BRIDGED = {"wrap", "post"}  # streamer/loopbridge.py: bridge(loop).wrap(...) / .post(...)
 QUEUES = {"_control", "_tokenizing", "executor", "pipe"}
 TRACES = {
     "text chunk": {
         "heading": "### The trace of one text chunk",
         "handoffs": [("sessions/engine.py", "Engine._tokenize", "self._tokenizing.put"),
                      ("sessions/engine.py", "Engine.call", "self._control.put"),
-                     ("streamer/eventlog.py", "EventLog._first", "asyncio.wrap_future")],
+                     ("streamer/eventlog.py", "EventLog._first", "bridge(asyncio.get_running_loop()).wrap")],
         "path": [("streamer/connection.py", "Connection.receive"), ("streamer/connection.py", "Connection.dispatch"),
                  ("streamer/handlers.py", "input_append"), ("streamer/eventlog.py", "EventLog.first"),
                  ("streamer/eventlog.py", "EventLog._log_then_apply"), ("sessions/engine.py", "Engine.append"),
@@ -329,7 +330,7 @@ TRACES = {
         "handoffs": [("vision/video.py", "VideoDecoder.write", "self.pipe.write"),
                      ("streamer/eventlog.py", "EventLog.from_thread", "loop.call_soon_threadsafe"),
                      ("sessions/engine.py", "Engine.call", "self._control.put"),
-                     ("streamer/eventlog.py", "EventLog._after", "asyncio.wrap_future")],
+                     ("streamer/eventlog.py", "EventLog._after", "bridge(asyncio.get_running_loop()).wrap")],
         # MediaHub.submit is left out: its crossings are the piece's ack (decoder -> loop) and
         # the audio branch's executor, not the frame's path
         "path": [("streamer/handlers.py", "media"), ("vision/ingest.py", "VideoIngest.feed"),
@@ -360,8 +361,10 @@ def crossings(node: ast.AST) -> list[str]:
     for call in ast.walk(node):
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
             receiver = ast.unparse(call.func.value).split(".")[-1]
-            if call.func.attr in CROSSING or (call.func.attr in ("put", "put_nowait", "submit", "write")
-                                              and receiver in QUEUES):
+            bridged = (call.func.attr in BRIDGED and isinstance(call.func.value, ast.Call)
+                       and ast.unparse(call.func.value.func) == "bridge")
+            if call.func.attr in CROSSING or bridged or (call.func.attr in ("put", "put_nowait", "submit", "write")
+                                                         and receiver in QUEUES):
                 found.append(ast.unparse(call.func))
     return found
 
