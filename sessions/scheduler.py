@@ -25,9 +25,10 @@ have waited, how many tokens they want, which FIFO jobs may join them) and retur
   needs least sets the step, so one client's many long questions cannot slow another's decode.
   Short means by cost, too: from the steps it has seen (`StepCost`: seconds = fixed + per-token
   x tokens, fitted as they run), a question's step packs no more work than keeps it within
-  `query_step_cost` (2x) of a step of a token for each question (and action) alone. On a GPU, where 64 tokens cost about what one
-  does, that is `query_step_tokens`; on a CPU, where a token of prefill costs a sixth of a
-  decode step, it is a few tokens, so an 8-token answer is not paid at prefill rates. And no
+  `query_step_cost` (2x) of a step of a token for each question (and action) alone. On a GPU,
+  where 64 tokens cost about what one does, that is `query_step_tokens`; on a CPU, where a
+  token of prefill costs a sixth of a decode step, it is a few tokens, so an 8-token answer is
+  not paid at prefill rates. And no
   step is planned to take over `max_step_s` (0.25 s), questions' own prefill included (it is
   chunked): a question that arrives waits for the step in progress, and a 512-token step on a
   2-core CPU takes 0.7 s.
@@ -93,7 +94,7 @@ class StepCost:
     """What a step costs by its tokens, fitted to the steps run: seconds = fixed + per_token x
     tokens, by least squares over the last `span` steps or so (older steps weigh less, halving
     every `span` steps), so it follows the machine (another process taking a core, the context
-    growing). Unknown (`per_token` None) until `min_steps` steps of different sizes were seen."""
+    growing). Unknown (`fit` is None) until `min_steps` steps of different sizes were seen."""
 
     span: float = 256.0
     min_steps: int = 16

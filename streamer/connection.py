@@ -30,7 +30,6 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future
 from http import HTTPStatus
 
 from websockets.asyncio.server import ServerConnection
@@ -587,7 +586,7 @@ class Connection:
             # shielded: a connection that goes away must not cancel the engine's future (the
             # engine finishes the work; sessions made after their client left are closed)
             future = outcome.future
-            result = await asyncio.shield(bridge(self.loop).wrap(future) if isinstance(future, Future) else future)
+            result = await asyncio.shield(bridge(self.loop).wrap(future))  # the loop's own futures as they are
             if outcome.durable is not None:
                 await asyncio.shield(outcome.durable)
             reply = outcome.reply(result)

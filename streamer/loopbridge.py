@@ -47,8 +47,7 @@ class LoopBridge:
         with self._lock:
             self.posted += 1
             if loop is None or loop.is_closed():  # nothing will run there again (a wake-up may
-                self._queue.clear()               # have been pending when it closed)
-                self._scheduled = False
+                self._drop()                      # have been pending when it closed)
                 return
             self._queue.append((fn, args))
             first, self._scheduled = not self._scheduled, True
@@ -60,15 +59,20 @@ class LoopBridge:
     def _wake(self) -> None:
         with self._lock:
             self.wakeups += 1
+        loop = self._loop()
         try:
-            loop = self._loop()
-            if loop is None:
-                raise RuntimeError("the loop is gone")
-            loop.call_soon_threadsafe(self._run)
-        except RuntimeError:  # the loop is closed: nothing will run there again
-            with self._lock:
-                self._queue.clear()
-                self._scheduled = False
+            if loop is not None:
+                loop.call_soon_threadsafe(self._run)
+                return
+        except RuntimeError:  # the loop is closed
+            pass
+        with self._lock:  # nothing will run there again
+            self._drop()
+
+    def _drop(self) -> None:
+        """Forget what is queued and any wake-up (under the lock): the loop is gone."""
+        self._queue.clear()
+        self._scheduled = False
 
     def _run(self) -> None:
         with self._lock:
