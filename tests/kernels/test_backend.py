@@ -1,6 +1,8 @@
-"""Backend selection, and the engine with the Triton backend (interpreted on the CPU) against
-the reference: near-identical logits step by step, identical greedy answers end to end."""
+"""Backend selection, and the engine with the Triton backend (interpreted on the CPU, or compiled
+on the GPU that STREAMER_KERNEL_TEST_DEVICE names: conftest.py) against the reference:
+near-identical logits step by step, identical greedy answers end to end."""
 
+import os
 
 import pytest
 import torch
@@ -13,9 +15,11 @@ from streamer.sessions.sampling import SamplingParams
 
 CHUNKS = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold comes on Tuesdays. ",
           "A storm broke the burner on March 16. "]
+DEVICE = os.environ.get("STREAMER_KERNEL_TEST_DEVICE", "cpu")
 SYSTEM = "You read a lighthouse log as it arrives and answer questions about it, briefly and exactly. " * 2
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's rules need the kernels interpreted (conftest.py)")
 def test_selection_rules(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert resolve_backend("reference", "cpu") == "reference"
@@ -36,9 +40,19 @@ def test_selection_rules(monkeypatch):
     assert resolve_backend("auto", "cpu") == "reference"
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="the rules on a GPU (STREAMER_KERNEL_TEST_DEVICE=cuda: conftest.py)")
+def test_selection_rules_on_a_gpu(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_backend("auto", DEVICE) == "triton"  # compiled kernels on CUDA by default
+    assert resolve_backend("triton", DEVICE) == "triton"
+    assert resolve_backend("reference", DEVICE) == "reference"
+    with pytest.raises(BackendUnavailable, match="runs on CUDA devices"):
+        resolve_backend("triton", "cpu")  # no interpreter: the kernels are compiled for the GPU
+
+
 def runner_with(tokenizer, backend):
     lm = build_tiny_model(tokenizer, seed=1234)
-    runner = ModelRunner(lm.model, tokenizer, lm.name)
+    runner = ModelRunner(lm.model.to(DEVICE), tokenizer, lm.name)
     assert runner.set_attention_backend(backend) == backend
     return runner
 

@@ -6,6 +6,8 @@ blocks) at scattered offsets, plus private buffers for forks; kernels read them 
 Slots outside every valid range hold huge values, so a read past a range shows.
 """
 
+import os
+
 import pytest
 import torch
 from streamer.kernels.reference import _partial_attention, cache_attention, forked_attention, ranges_attention
@@ -15,6 +17,18 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3,
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 LAYERS = 3
 LAYER = 2  # kernels address layer 0 plus a stride: test a later layer
+DEVICE = os.environ.get("STREAMER_KERNEL_TEST_DEVICE", "cpu")  # conftest.py: cpu is interpreted
+
+
+@pytest.fixture(autouse=True)
+def on_device(kernel_device):
+    """Every tensor a test makes without naming a device is on the kernels' device."""
+    return kernel_device
+
+
+def seeded(shape, g):
+    """Seeded normal values (drawn on the CPU, so the same on every device) on the test's device."""
+    return torch.randn(shape, generator=g, device="cpu").to(torch.get_default_device())
 
 
 class Storage:
@@ -32,8 +46,8 @@ class Storage:
         self.cursor += capacity + 11
         assert self.cursor <= self.data.shape[3]
         sl = slice(start, start + capacity)
-        self.data[:, :, :, start:start + length] = torch.randn(
-            self.data[:, :, :, start:start + length].shape, generator=self.g).to(self.data.dtype)
+        self.data[:, :, :, start:start + length] = seeded(
+            self.data[:, :, :, start:start + length].shape, self.g).to(self.data.dtype)
         return sl
 
     def range(self, sl, length, causal_start=None):
@@ -46,7 +60,7 @@ class Storage:
 
 def queries(tokens, heads, dim, dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    return seeded((tokens, heads, dim), g).to(dtype)
 
 
 def close(actual, expected, dtype):
@@ -65,7 +79,7 @@ def test_decode_batch_over_ragged_paged_caches(dtype, kv_heads, group, split):
     lengths = [1, 17, 63, 64, 65, 130]
     shared = [False, True, False, True, False, True]
     q = queries(len(lengths), kv_heads * group, dim, dtype)
-    plan = AttentionPlan(kv_heads * group, kv_heads, dim, "cpu", split_tokens=split, block_n=16)
+    plan = AttentionPlan(kv_heads * group, kv_heads, dim, DEVICE, split_tokens=split, block_n=16)
     own = []
     for i, (length, sh) in enumerate(zip(lengths, shared)):
         own_len = length
@@ -96,7 +110,7 @@ def test_chunked_prefill_several_sessions_per_launch(dtype, kv_heads, group):
     cases = [(0, 1), (0, 23), (5, 40), (64, 7), (100, 70), (3, 1)]  # (cached, new)
     total = sum(n for _, n in cases)
     q = queries(total, kv_heads * group, dim, dtype, seed=3)
-    plan = AttentionPlan(kv_heads * group, kv_heads, dim, "cpu")
+    plan = AttentionPlan(kv_heads * group, kv_heads, dim, DEVICE)
     offset, extents = 0, []
     for start, n in cases:
         sl = st.extent(start + n)
@@ -136,7 +150,7 @@ def test_two_range_dual_thinking(visible, shared, thought, n, split):
     thinking[:, :, :, thought + n:] = 1e4
     ranges.append(KVRange(thinking[0, 0], thinking[0, 1], thought + n, thought, thinking.stride(0)))
     q = queries(n, kv_heads * group, dim, dtype, seed=n)
-    plan = AttentionPlan(kv_heads * group, kv_heads, dim, "cpu", split_tokens=split, block_n=32)
+    plan = AttentionPlan(kv_heads * group, kv_heads, dim, DEVICE, split_tokens=split, block_n=32)
     plan.sequence(range(n), ranges)
     out = plan.run(q, LAYER)
     expected = ranges_attention(q.transpose(0, 1), ref_ranges, thinking[LAYER, 0], thinking[LAYER, 1], thought)
@@ -164,7 +178,7 @@ def test_shared_prefix_forks_equal_forked_attention(dtype, prefix_len, sizes):
         own.append([KVRange(buf[0, 0], buf[0, 1], start + n, start, buf.stride(0))])
         suffixes.append((buf[LAYER, 0].float(), buf[LAYER, 1].float(), start))
         offset += n
-    plan = AttentionPlan(kv_heads * group, kv_heads, dim, "cpu")
+    plan = AttentionPlan(kv_heads * group, kv_heads, dim, DEVICE)
     plan.forks(tokens, [st.range(prefix, prefix_len)], own)
     out = plan.run(q, LAYER)
     pk, pv = st.layer(prefix)
@@ -183,13 +197,13 @@ def test_two_calls_and_merge_equal_the_fused_pass():
     a, b = st.extent(90), st.extent(40)
     ra, rb = st.range(a, 90), st.range(b, 40, causal_start=40 - n)
     q = queries(n, kv_heads * group, dim, torch.float32)
-    fused = AttentionPlan(kv_heads * group, kv_heads, dim, "cpu")
+    fused = AttentionPlan(kv_heads * group, kv_heads, dim, DEVICE)
     fused.sequence(range(n), [ra, rb])
     expected = fused.run(q, LAYER)
-    first = AttentionPlan(kv_heads * group, kv_heads, dim, "cpu", split_tokens=32)  # 3 slots
+    first = AttentionPlan(kv_heads * group, kv_heads, dim, DEVICE, split_tokens=32)  # 3 slots
     first.partial(range(n), [ra], slot=0)
     first.build()
-    second = AttentionPlan(kv_heads * group, kv_heads, dim, "cpu")
+    second = AttentionPlan(kv_heads * group, kv_heads, dim, DEVICE)
     second.partial(range(n), [rb], slot=first.n_slots)
     second.build()
     assert (first.n_slots, second.n_slots) == (3, 4)
@@ -215,7 +229,7 @@ def test_rows_outside_the_plan_are_untouched_and_scaling_is_honoured():
     sl = st.extent(20)
     q = queries(3, 2, dim, torch.float32)
     out = torch.full((3, 2, dim), 7.0)
-    plan = AttentionPlan(2, kv_heads, dim, "cpu")
+    plan = AttentionPlan(2, kv_heads, dim, DEVICE)
     plan.sequence([1], [st.range(sl, 20, causal_start=19)])
     plan.run(q, LAYER, out=out, scaling=0.3)
     assert (out[0] == 7).all() and (out[2] == 7).all()
@@ -227,8 +241,8 @@ def test_bad_plans_raise_clear_errors():
     st = Storage(2, 16)
     sl = st.extent(10)
     with pytest.raises(ValueError, match="not a multiple"):
-        AttentionPlan(3, 2, 16, "cpu")
-    plan = AttentionPlan(4, 2, 16, "cpu")
+        AttentionPlan(3, 2, 16, DEVICE)
+    plan = AttentionPlan(4, 2, 16, DEVICE)
     with pytest.raises(ValueError, match="kv heads"):
         plan.sequence([0], [KVRange(torch.zeros(1, 10, 16), torch.zeros(1, 10, 16), 5)])
     with pytest.raises(ValueError, match="10 slots"):
@@ -237,7 +251,7 @@ def test_bad_plans_raise_clear_errors():
     plan.sequence([0], [st.range(sl, 10, causal_start=9)])
     with pytest.raises(ValueError, match="planned twice"):
         plan.build()
-    plan = AttentionPlan(4, 2, 16, "cpu")
+    plan = AttentionPlan(4, 2, 16, DEVICE)
     plan.sequence([0], [st.range(sl, 10, causal_start=9)])
     with pytest.raises(ValueError, match="dtype"):
         plan.run(torch.zeros(1, 4, 16, dtype=torch.float16))
