@@ -65,8 +65,12 @@ def check_endless(engine, sid, acks, samples, rows):
     warm = len(samples) // 5
     pool = [p for p, _ in samples[warm:]]
     assert max(pool) <= min(pool) + engine.pool.block_bytes * 64  # the pool is flat after warm-up
+    # RSS is flat after warm-up: a leak raises the peaks of the second half above the first's,
+    # while the allocator handing memory back only dips single samples (a dip at the first
+    # sample after warm-up once read as 68 MB of growth)
     rss = [r for _, r in samples[warm:]]
-    assert max(rss) - rss[0] < 64, f"RSS grew from {rss[0]:.0f} to {max(rss):.0f} MB"
+    first, second = rss[:len(rss) // 2], rss[len(rss) // 2:]
+    assert max(second) - max(first) < 48, f"RSS peaks grew from {max(first):.0f} to {max(second):.0f} MB"
     # flash answers are current at the end, and say how stale they were
     for q in state["flash"]:
         assert q["data_version"] == state["data_version"] and q["staleness"]["versions"] == 0
