@@ -274,7 +274,12 @@ static inline void split(int total, int tid, int nth, int *lo, int *hi) {
  * scales: Q8_0's 8.5 bits a weight, no offsets. */
 
 #define COLS 16 /* columns per group */
-#define MR 4    /* GEMM micro-tile: rows */
+#if SK_AVX512
+#define MR 12 /* GEMM micro-tile: rows (a block's unpacked weights serve them all from registers; 12 x 16
+                 columns measured ~20% faster than 4 on a 2-core Zen 4) */
+#else
+#define MR 4
+#endif
 
 typedef struct {
     int32_t bits, n, k, pad;
@@ -448,8 +453,15 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
         __m512 mw = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(u + cb + 32))) : dw;
         for (int i = 0; i < rc; i++) {
             const int32_t *xq = (const int32_t *)(act_q(X, r0 + i) + b * QB);
-            __m512i sum = bits == 8 ? _mm512_set1_epi32(act_c(X, r0 + i)[b]) : _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++) sum = _mm512_dpbusd_epi32(sum, w[c], _mm512_set1_epi32(xq[c]));
+            /* two chains of 4 multiply-adds (half the latency of one of 8); integer sums are exact
+             * in any order, so this is the same sum */
+            __m512i s0 = bits == 8 ? _mm512_set1_epi32(act_c(X, r0 + i)[b]) : _mm512_setzero_si512();
+            __m512i s1 = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(xq[c]));
+                s1 = _mm512_dpbusd_epi32(s1, w[c + 1], _mm512_set1_epi32(xq[c + 1]));
+            }
+            __m512i sum = _mm512_add_epi32(s0, s1);
             __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(act_d(X, r0 + i)[b])),
                                        acc[i]);
             if (bits == 4) a = _mm512_fmadd_ps(mw, _mm512_set1_ps(act_s(X, r0 + i)[b]), a);
@@ -559,11 +571,23 @@ static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, fl
     case 1: tile(W, g, X, r0, 1, y, ldy, accumulate); return;
     case 2: tile(W, g, X, r0, 2, y, ldy, accumulate); return;
     case 3: tile(W, g, X, r0, 3, y, ldy, accumulate); return;
+#if MR >= 8
+    case 4: tile(W, g, X, r0, 4, y, ldy, accumulate); return;
+    case 5: tile(W, g, X, r0, 5, y, ldy, accumulate); return;
+    case 6: tile(W, g, X, r0, 6, y, ldy, accumulate); return;
+    case 7: tile(W, g, X, r0, 7, y, ldy, accumulate); return;
+    case 8: tile(W, g, X, r0, 8, y, ldy, accumulate); return;
+    case 9: tile(W, g, X, r0, 9, y, ldy, accumulate); return;
+    case 10: tile(W, g, X, r0, 10, y, ldy, accumulate); return;
+    case 11: tile(W, g, X, r0, 11, y, ldy, accumulate); return;
+    default: tile(W, g, X, r0, 12, y, ldy, accumulate); return;
+#else
     default: tile(W, g, X, r0, 4, y, ldy, accumulate); return;
+#endif
     }
 }
 
-#define ROW_BLOCK 64 /* rows kept hot while a thread's columns pass over them */
+#define ROW_BLOCK (64 / MR * MR) /* rows kept hot while a thread's columns pass over them (whole tiles) */
 
 static void gemm_groups(const sk_qmat *W, int g0, int g1, const act_t *X, int rows, float *y, int64_t ldy,
                         int accumulate) {
