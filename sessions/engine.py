@@ -14,10 +14,15 @@ thread and is stepped by hand (`step()`, `run_until_idle()`), like the core.
 The control queue is fair (`FairQueue`): each session's commands wait in their own queue, in
 their order; owners (the API key, else the client) take turns, and each owner's sessions take
 turns within its turns. A turn runs at most `command_burst` commands of one session (fewer once
-it has used `command_quantum_s`), and the engine steps after every round of turns, so a flood of
-commands from one client delays another session's command by at most one turn per session ahead
-of it. While only one session has commands waiting, rounds go on (up to `command_burst` x
-`command_quantum_s` of command time): a fast feed's queued inputs are read together. The text of inputs and questions is tokenized before the engine thread, by the
+it has used `command_quantum_s`); a round has a turn for each session waiting (owners
+alternating, so one with many sessions never goes twice while another waits; an owner's turns
+stop for the round once they took `command_burst` x `command_quantum_s`), ends early after
+`command_round_s`, and the engine steps after every round, so a flood of commands from one
+client delays another session's command by at most one turn per session ahead of it, and many
+sessions of one client (one API key, or feeds behind one address) each get a turn before every
+step rather than one of them a step. While only one session has commands waiting, rounds go on
+(up to `command_burst` x `command_quantum_s` of command time): a fast feed's queued inputs are
+read together. The text of inputs and questions is tokenized before the engine thread, by the
 tokenizer's workers (`tokenizer_threads`, served from a FairQueue the same way); the command
 waits in its session's queue until its tokens are ready, then checks their size on the engine
 thread (O(1)), so an input refused for size never costs the engine thread a tokenization. An
@@ -37,7 +42,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -84,6 +89,7 @@ class EngineLimits:
     attention_backend: str | None = None  # auto | reference | triton; None: $STREAMER_ATTENTION_BACKEND, else auto
     command_burst: int = 8  # engine commands one session runs in its turn (the control queue's fair share)
     command_quantum_s: float = 0.002  # ... a turn ends early once its commands took this long
+    command_round_s: float = 0.05  # a round of turns (one per session waiting) ends early after this long
     tokenizer_threads: int = 2  # workers that tokenize inputs and questions before the engine thread
 
 
@@ -127,9 +133,6 @@ class FairQueue:
     def __len__(self) -> int:
         return self._size
 
-    def owners(self) -> int:
-        return len(self._owners)
-
     def keys(self) -> int:
         """How many keys have items waiting."""
         return len(self._queues)
@@ -150,11 +153,14 @@ class FairQueue:
             self._size += 1
             self.cond.notify()
 
-    def next_key(self, ready: Callable[[object], bool]) -> str | None:
-        """The key whose turn it is: the first owner in turn order with a key whose first item is
-        ready, and that owner's first such key; both go to the back of their turn orders."""
+    def next_key(self, ready: Callable[[object], bool], skip: Collection[str] = ()) -> tuple[str, str] | None:
+        """(owner, key) whose turn it is: the first owner in turn order, not in `skip`, with a key
+        whose first item is ready, and that owner's first such key; both go to the back of their
+        turn orders."""
         with self.cond:
             for owner in list(self._owners):
+                if owner in skip:
+                    continue
                 keys = self._keys[owner]
                 for key in list(keys):
                     if ready(self._queues[key][0]):
@@ -162,7 +168,7 @@ class FairQueue:
                         keys.append(key)
                         self._owners.remove(owner)
                         self._owners.append(owner)
-                        return key
+                        return owner, key
             return None
 
     def pop(self, key: str, ready: Callable[[object], bool]) -> object | None:
@@ -650,7 +656,7 @@ class Engine:
                     queue.cond.wait()
                 if not len(queue):
                     return
-                work, fut = queue.pop(queue.next_key(any_item), any_item)
+                work, fut = queue.pop(queue.next_key(any_item)[1], any_item)
             try:
                 result = work()
             except BaseException as exc:  # handed to the command, which raises it
@@ -724,10 +730,15 @@ class Engine:
         return {**snapshot_stats(self.core), "queued_commands": len(self._control)}
 
     def _commands(self) -> int:
-        """Commands to run before the next step, in rounds: each owner with a command ready gets
-        a turn of up to `command_burst` commands of its session whose turn it is (fewer once they
-        took `command_quantum_s`). One round while several sessions have commands waiting (each
-        gets its turn, then the engine steps, so no flood delays another session's step); more
+        """Commands to run before the next step, in rounds: each session with a command ready
+        gets a turn of up to `command_burst` commands (fewer once they took `command_quantum_s`),
+        owners alternating (`FairQueue.next_key`); an owner whose turns in the round took
+        `command_burst` x `command_quantum_s` gets no more in it, and the round is cut short once
+        it has run for `command_round_s` (the sessions not served go first next time). One round
+        while several sessions have commands waiting (each gets its turn, then the engine steps,
+        so no flood delays another session's step by more than an owner's share of a round; a
+        round had one turn per owner, so sessions sharing an owner, feeds behind one address, got
+        a turn one step in N); more
         rounds while only one has (nobody waits behind it: a fast feed's queued inputs are all
         read by the next step, not `command_burst` a step), for at most `command_burst` x
         `command_quantum_s` of command time. Returns how many ran. Their waiters are woken once
@@ -735,13 +746,16 @@ class Engine:
         command to end 2 ms into the hold."""
         ready, total = Command.is_ready, 0
         started = time.perf_counter()
-        budget = self.limits.command_burst * self.limits.command_quantum_s
+        budget = self.limits.command_burst * self.limits.command_quantum_s  # also an owner's share of a round
         while True:
-            ran = 0
-            for _ in range(max(1, self._control.owners())):
-                key = self._control.next_key(ready)
-                if key is None:
+            ran, round_started, spent = 0, time.perf_counter(), {}
+            for _ in range(max(1, self._control.keys())):
+                if ran and time.perf_counter() - round_started >= self.limits.command_round_s:
                     break
+                found = self._control.next_key(ready, [o for o, t in spent.items() if t >= budget])
+                if found is None:
+                    break
+                owner, key = found
                 turn = time.perf_counter()
                 for _ in range(self.limits.command_burst):
                     command = self._control.pop(key, ready)
@@ -753,6 +767,7 @@ class Engine:
                     ran += 1
                     if time.perf_counter() - turn >= self.limits.command_quantum_s:
                         break
+                spent[owner] = spent.get(owner, 0.0) + time.perf_counter() - turn
             total += ran
             if not ran or self._control.keys() != 1 or time.perf_counter() - started >= budget:
                 return total
@@ -761,7 +776,7 @@ class Engine:
         """Run every queued command (in turn order, each waiting for its tokens if it must)."""
         anything = lambda _: True  # noqa: E731
         while len(self._control):
-            command = self._control.pop(self._control.next_key(anything), anything)
+            command = self._control.pop(self._control.next_key(anything)[1], anything)
             command.run()
             self.stats.commands += 1
 

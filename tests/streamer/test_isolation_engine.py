@@ -4,8 +4,8 @@ that every session shares.
 Inputs and questions are tokenized by the tokenizer's workers before the engine thread, so one
 refused for size (`context_overflow`, `question_too_long`) never runs the tokenizer there
 (`tokenized_on_engine` stays 0), and engine commands are served per session in turns, so a
-bystander's question waits for at most one turn of an attacker's commands, however many it
-queued. Everything is counted (commands, tokenizations), never timed."""
+bystander's question waits for at most one turn of each attacker session's commands before
+its first step, however many they queued. Everything is counted (commands, tokenizations), never timed."""
 
 import asyncio
 import concurrent.futures
@@ -35,11 +35,12 @@ def engine(tokenizer):
     engine.stop()
 
 
-def bound(engine) -> int:
-    """Commands of other sessions a question may wait for: the attacker's turn that is running
-    (`command_burst`), plus the attacker's commands whose tokens the workers finished while the
-    question's own were queued behind them (one per worker, and one more in turn order)."""
-    return engine.limits.command_burst + engine.limits.tokenizer_threads + 1
+def bound(engine, sessions: int) -> int:
+    """Commands of other sessions a question may wait for: a turn (`command_burst`) of each of
+    the attacker's `sessions` in the question's round (the one before it, the rest before the
+    step), plus the attacker's commands whose tokens the workers finished while the question's
+    own were queued behind them (one per worker, and one more in turn order)."""
+    return sessions * engine.limits.command_burst + engine.limits.tokenizer_threads + 1
 
 
 async def poll(predicate, what: str, deadline_s: float = 60.0) -> None:
@@ -101,7 +102,7 @@ def test_huge_refused_appends_are_tokenized_off_the_engine_and_a_bystander_waits
     done, before, after = serve(engine, test, api_keys=ApiKeys({"attacker": "attacker-key-0123456789",
                                                                 "bystander": "bystander-key-0123456789"}))
     # fairness, in commands: the bystander's question waited for one turn of the attacker at most
-    assert done["timing"]["commands_waited"] <= bound(engine), done["timing"]
+    assert done["timing"]["commands_waited"] <= bound(engine, 2), done["timing"]
     # (each refusal now costs a bounded prefix, so the attacker's replies may all come first)
     # no refused append (nor the question) was tokenized on the engine thread
     assert after["tokenized_on_engine"] == before["tokenized_on_engine"], (before, after)
@@ -132,7 +133,7 @@ def test_too_long_questions_from_six_connections_never_reach_the_engine_threads_
     done, before, after = serve(engine, test)
     assert done["finish_reason"] in ("length", "stop"), done
     # six sessions ahead of it: one turn each at most
-    assert done["timing"]["commands_waited"] <= attackers_n * bound(engine), done["timing"]
+    assert done["timing"]["commands_waited"] <= attackers_n * bound(engine, 1), done["timing"]
     assert after["tokenized_on_engine"] == before["tokenized_on_engine"], (before, after)
     assert after["tokenized_off_engine"] - before["tokenized_off_engine"] >= attackers_n * per_attacker + 1
 
@@ -185,6 +186,72 @@ def test_a_lone_fast_feed_is_read_together_not_a_turn_a_step(engine):
     assert after["commands"] - before["commands"] == rows + 1
     assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])  # was 3: 8 rows a step
     engine.close_session(sid).result(30)
+
+
+def test_sessions_sharing_an_owner_each_get_a_turn_before_the_next_step(engine):
+    """Feeds behind one address (or one API key) share an owner. Each of its sessions waiting
+    with a command gets a turn in the round before the next step, owners alternating: five
+    sessions of one owner and one of another, an append each, are read in one step (a round had
+    one turn per owner: one session of the five a step, the last read five steps late)."""
+    crowd = [engine.create_session(owner="crowd").result(60)["session_id"] for _ in range(5)]
+    solo = engine.create_session(owner="solo").result(60)["session_id"]
+    gate = threading.Event()
+    held = engine.call(gate.wait, owner="gate")  # the engine thread waits here while the appends queue
+    before = engine.snapshot_stats()
+    acks = [engine.append(sid, f"row of {sid[:4]}: 20.5C, wind 12") for sid in crowd + [solo]]
+    end = time.monotonic() + 60
+    while engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"] < len(acks):
+        assert time.monotonic() < end, "the rows were not tokenized"
+        time.sleep(0.005)
+    gate.set()
+    held.result(60)
+    for ack in acks:
+        ack.result(60)
+    after = engine.snapshot_stats()
+    assert after["commands"] - before["commands"] == len(acks) + 1
+    assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])
+    for sid in crowd + [solo]:
+        engine.close_session(sid).result(30)
+
+
+def test_a_round_ends_after_command_round_s_and_an_owner_after_its_share(tokenizer):
+    """A round that has run `command_round_s` ends and the engine steps; the sessions it did not
+    reach go first in the next round. And an owner whose turns in a round took its share
+    (`command_burst` x `command_quantum_s`) gets no more turns in it. Commands of 60 ms each
+    (a 100 ms round, a 16 ms share): of four owners', two run before a step of a session that is
+    reading, two after it; of one owner's four sessions, one a round (steps counted by the
+    commands themselves; the sleeps only make the turns long)."""
+    lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
+    engine = Engine(ModelRunner(lm.model, tokenizer, lm.name),
+                    EngineLimits(**LIMITS, step_tokens=32, command_round_s=0.1)).start()
+
+    def steps_seen(owners: list[str]) -> list[int]:
+        sids = [engine.create_session(owner=o).result(60)["session_id"] for o in owners]
+        gate = threading.Event()
+        held = engine.call(gate.wait, owner="gate")
+        reading = engine.append(reader, "a long row of readings, " * 60)  # many 32-token steps
+        seen: list[int] = []
+
+        def slow() -> None:
+            time.sleep(0.06)
+            seen.append(engine.core.stats.steps)
+
+        done = [engine.call(slow, session_id=sid) for sid in sids]
+        gate.set()
+        held.result(60)
+        for fut in done:
+            fut.result(60)
+        reading.result(60)
+        return seen
+
+    try:
+        reader = engine.create_session(owner="reader").result(60)["session_id"]
+        seen = steps_seen(["a", "b", "c", "d"])
+        assert seen[0] == seen[1] < seen[2] == seen[3], seen  # two rounds, a step between
+        seen = steps_seen(["crowd"] * 4)
+        assert seen[0] < seen[1] < seen[2] < seen[3], seen  # the owner's share: a turn a round
+    finally:
+        engine.stop()
 
 
 def test_an_over_long_text_is_refused_after_tokenizing_a_bounded_prefix(tokenizer):
