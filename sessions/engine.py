@@ -16,7 +16,7 @@ their order; owners (the API key, else the client) take turns, and each owner's 
 turns within its turns. A turn runs at most `command_burst` commands of one session (fewer once
 it has used `command_quantum_s`); a round has a turn for each session waiting (owners
 alternating, so one with many sessions never goes twice while another waits; an owner's turns
-stop for the round once they took `command_burst` x `command_quantum_s`), ends early after
+stop for the round once they took `command_quantum_s` in all), ends early after
 `command_round_s`, and the engine steps after every round, so a flood of commands from one
 client delays another session's command by at most one turn per session ahead of it, and many
 sessions of one client (one API key, or feeds behind one address) each get a turn before every
@@ -733,7 +733,8 @@ class Engine:
         """Commands to run before the next step, in rounds: each session with a command ready
         gets a turn of up to `command_burst` commands (fewer once they took `command_quantum_s`),
         owners alternating (`FairQueue.next_key`); an owner whose turns in the round took
-        `command_burst` x `command_quantum_s` gets no more in it, and the round is cut short once
+        `command_quantum_s` in all gets no more in it (so a round delays the next step by about a
+        quantum per owner, as when an owner had one turn), and the round is cut short once
         it has run for `command_round_s` (the sessions not served go first next time). One round
         while several sessions have commands waiting (each gets its turn, then the engine steps,
         so no flood delays another session's step by more than an owner's share of a round; a
@@ -746,13 +747,14 @@ class Engine:
         command to end 2 ms into the hold."""
         ready, total = Command.is_ready, 0
         started = time.perf_counter()
-        budget = self.limits.command_burst * self.limits.command_quantum_s  # also an owner's share of a round
+        quantum = self.limits.command_quantum_s  # a turn's time, and an owner's share of a round
+        budget = self.limits.command_burst * quantum
         while True:
             ran, round_started, spent = 0, time.perf_counter(), {}
             for _ in range(max(1, self._control.keys())):
                 if ran and time.perf_counter() - round_started >= self.limits.command_round_s:
                     break
-                found = self._control.next_key(ready, [o for o, t in spent.items() if t >= budget])
+                found = self._control.next_key(ready, [o for o, t in spent.items() if t >= quantum])
                 if found is None:
                     break
                 owner, key = found
@@ -765,7 +767,7 @@ class Engine:
                     release_old_wakes()  # a reply held 2 ms goes now, not after the round
                     self.stats.commands += 1
                     ran += 1
-                    if time.perf_counter() - turn >= self.limits.command_quantum_s:
+                    if time.perf_counter() - turn >= quantum:
                         break
                 spent[owner] = spent.get(owner, 0.0) + time.perf_counter() - turn
             total += ran

@@ -188,37 +188,41 @@ def test_a_lone_fast_feed_is_read_together_not_a_turn_a_step(engine):
     engine.close_session(sid).result(30)
 
 
-def test_sessions_sharing_an_owner_each_get_a_turn_before_the_next_step(engine):
+def test_sessions_sharing_an_owner_each_get_a_turn_before_the_next_step(tokenizer):
     """Feeds behind one address (or one API key) share an owner. Each of its sessions waiting
     with a command gets a turn in the round before the next step, owners alternating: five
     sessions of one owner and one of another, an append each, are read in one step (a round had
-    one turn per owner: one session of the five a step, the last read five steps late)."""
-    crowd = [engine.create_session(owner="crowd").result(60)["session_id"] for _ in range(5)]
-    solo = engine.create_session(owner="solo").result(60)["session_id"]
-    gate = threading.Event()
-    held = engine.call(gate.wait, owner="gate")  # the engine thread waits here while the appends queue
-    before = engine.snapshot_stats()
-    acks = [engine.append(sid, f"row of {sid[:4]}: 20.5C, wind 12") for sid in crowd + [solo]]
-    end = time.monotonic() + 60
-    while engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"] < len(acks):
-        assert time.monotonic() < end, "the rows were not tokenized"
-        time.sleep(0.005)
-    gate.set()
-    held.result(60)
-    for ack in acks:
-        ack.result(60)
-    after = engine.snapshot_stats()
-    assert after["commands"] - before["commands"] == len(acks) + 1
-    assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])
-    for sid in crowd + [solo]:
-        engine.close_session(sid).result(30)
+    one turn per owner: one session of the five a step, the last read five steps late). The
+    owner's time share is set out of reach here: this is the rule, not the clock."""
+    lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
+    engine = Engine(ModelRunner(lm.model, tokenizer, lm.name), EngineLimits(**LIMITS, command_quantum_s=5.0)).start()
+    try:
+        crowd = [engine.create_session(owner="crowd").result(60)["session_id"] for _ in range(5)]
+        solo = engine.create_session(owner="solo").result(60)["session_id"]
+        gate = threading.Event()
+        held = engine.call(gate.wait, owner="gate")  # the engine thread waits here while the appends queue
+        before = engine.snapshot_stats()
+        acks = [engine.append(sid, f"row of {sid[:4]}: 20.5C, wind 12") for sid in crowd + [solo]]
+        end = time.monotonic() + 60
+        while engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"] < len(acks):
+            assert time.monotonic() < end, "the rows were not tokenized"
+            time.sleep(0.005)
+        gate.set()
+        held.result(60)
+        for ack in acks:
+            ack.result(60)
+        after = engine.snapshot_stats()
+        assert after["commands"] - before["commands"] == len(acks) + 1
+        assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])
+    finally:
+        engine.stop()
 
 
 def test_a_round_ends_after_command_round_s_and_an_owner_after_its_share(tokenizer):
     """A round that has run `command_round_s` ends and the engine steps; the sessions it did not
     reach go first in the next round. And an owner whose turns in a round took its share
-    (`command_burst` x `command_quantum_s`) gets no more turns in it. Commands of 60 ms each
-    (a 100 ms round, a 16 ms share): of four owners', two run before a step of a session that is
+    (`command_quantum_s`) gets no more turns in it. Commands of 60 ms each (a 100 ms round, a
+    2 ms share): of four owners', two run before a step of a session that is
     reading, two after it; of one owner's four sessions, one a round (steps counted by the
     commands themselves; the sleeps only make the turns long)."""
     lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
