@@ -162,6 +162,24 @@ def test_a_flood_of_engine_commands_delays_another_session_by_one_turn_and_keeps
     engine.close_session(sid).result(30)
 
 
+def appended_while_held(engine, owner: str, rows: list[tuple[str, str]]) -> tuple[dict, dict]:
+    """Append `rows` ((session, text)) while the engine thread waits in a command of `owner`,
+    release it once all are tokenized, wait for every ack; the engine's stats before and after."""
+    gate = threading.Event()
+    held = engine.call(gate.wait, owner=owner)  # the engine thread waits here while the rows queue
+    before = engine.snapshot_stats()
+    acks = [engine.append(sid, text) for sid, text in rows]
+    end = time.monotonic() + 60
+    while engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"] < len(rows):
+        assert time.monotonic() < end, "the rows were not tokenized"
+        time.sleep(0.005)
+    gate.set()
+    held.result(60)
+    for ack in acks:
+        ack.result(60)
+    return before, engine.snapshot_stats()
+
+
 def test_a_lone_fast_feed_is_read_together_not_a_turn_a_step(engine):
     """While only one session has commands waiting, nobody waits behind it: its queued inputs
     are all taken before the next step (rounds go on), so a pipelined feed of short rows is read
@@ -170,19 +188,7 @@ def test_a_lone_fast_feed_is_read_together_not_a_turn_a_step(engine):
     sid = engine.create_session(owner="feed").result(60)["session_id"]
     engine.append(sid, "row 0: 20.1C").result(60)
     rows = 3 * engine.limits.command_burst
-    gate = threading.Event()
-    held = engine.call(gate.wait, owner="feed")  # the engine thread waits here while the rows queue
-    before = engine.snapshot_stats()
-    acks = [engine.append(sid, f"row {i}: 20.{i}C") for i in range(1, rows + 1)]
-    end = time.monotonic() + 60
-    while engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"] < rows:
-        assert time.monotonic() < end, "the rows were not tokenized"
-        time.sleep(0.005)
-    gate.set()
-    held.result(60)
-    for ack in acks:
-        ack.result(60)
-    after = engine.snapshot_stats()
+    before, after = appended_while_held(engine, "feed", [(sid, f"row {i}: 20.{i}C") for i in range(1, rows + 1)])
     assert after["commands"] - before["commands"] == rows + 1
     assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])  # was 3: 8 rows a step
     engine.close_session(sid).result(30)
@@ -199,20 +205,9 @@ def test_sessions_sharing_an_owner_each_get_a_turn_before_the_next_step(tokenize
     try:
         crowd = [engine.create_session(owner="crowd").result(60)["session_id"] for _ in range(5)]
         solo = engine.create_session(owner="solo").result(60)["session_id"]
-        gate = threading.Event()
-        held = engine.call(gate.wait, owner="gate")  # the engine thread waits here while the appends queue
-        before = engine.snapshot_stats()
-        acks = [engine.append(sid, f"row of {sid[:4]}: 20.5C, wind 12") for sid in crowd + [solo]]
-        end = time.monotonic() + 60
-        while engine.snapshot_stats()["tokenized_off_engine"] - before["tokenized_off_engine"] < len(acks):
-            assert time.monotonic() < end, "the rows were not tokenized"
-            time.sleep(0.005)
-        gate.set()
-        held.result(60)
-        for ack in acks:
-            ack.result(60)
-        after = engine.snapshot_stats()
-        assert after["commands"] - before["commands"] == len(acks) + 1
+        rows = [(sid, f"row of {sid[:4]}: 20.5C, wind 12") for sid in crowd + [solo]]
+        before, after = appended_while_held(engine, "gate", rows)
+        assert after["commands"] - before["commands"] == len(rows) + 1
         assert after["steps"] - before["steps"] == 1, (before["steps"], after["steps"])
     finally:
         engine.stop()
