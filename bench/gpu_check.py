@@ -33,23 +33,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(argv: list[str], limit_s: float, env: dict[str, str] | None = None) -> str:
-    """The step's output (stdout and stderr), echoed as it comes; a step past its limit is killed
-    and says so."""
+    """The step's output (stdout and stderr), its last 6,000 characters printed when it ends; a
+    step past its limit is killed and says so."""
     print(f"\n$ {shlex.join(argv)}", flush=True)
     proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        out, _ = proc.communicate(timeout=limit_s)
-        lines.append(out)
+        out = proc.communicate(timeout=limit_s)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
-        lines.append(out)
-        lines.append(f"\n(stopped after {limit_s:.0f} s)\n")
-    text = "".join(lines)
-    print(text[-6000:], flush=True)
-    return text
+        out = proc.communicate()[0] + f"\n(stopped after {limit_s:.0f} s)\n"
+    print(out[-6000:], flush=True)
+    return out
 
 
 def kernel_tests(limit_s: float) -> str:
