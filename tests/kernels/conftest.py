@@ -11,9 +11,7 @@ while collecting, before any test module of this folder (or any test) imports it
 import os
 
 import pytest
-
-DEVICE_VAR = "STREAMER_KERNEL_TEST_DEVICE"
-DEVICE = os.environ.get(DEVICE_VAR, "cpu")
+from testdevice import DEVICE, VAR
 
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -21,12 +19,12 @@ else:
     import torch
 
     if not torch.cuda.is_available():
-        raise pytest.UsageError(f"{DEVICE_VAR}={DEVICE}: this torch sees no CUDA device")
+        raise pytest.UsageError(f"{VAR}={DEVICE}: this torch sees no CUDA device")
     os.environ.pop("TRITON_INTERPRET", None)
 
 
 @pytest.fixture()
-def kernel_device(request):
+def kernel_device():
     """The device the Triton tests run on; torch's default device while the test runs, so the
     tensors a test makes without naming a device land there."""
     import torch

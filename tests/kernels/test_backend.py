@@ -2,8 +2,6 @@
 on the GPU that STREAMER_KERNEL_TEST_DEVICE names: conftest.py) against the reference:
 near-identical logits step by step, identical greedy answers end to end."""
 
-import os
-
 import pytest
 import torch
 from helpers import Sync, driven
@@ -12,10 +10,10 @@ from streamer.sessions.models import build_tiny_model
 from streamer.sessions.pool import BlockPool, PagedCache
 from streamer.sessions.runner import ModelRunner, SeqStep
 from streamer.sessions.sampling import SamplingParams
+from testdevice import DEVICE
 
 CHUNKS = ["The keeper is Ada Morrow. ", "Her cat is Pepper. ", "The boat Marigold comes on Tuesdays. ",
           "A storm broke the burner on March 16. "]
-DEVICE = os.environ.get("STREAMER_KERNEL_TEST_DEVICE", "cpu")
 SYSTEM = "You read a lighthouse log as it arrives and answer questions about it, briefly and exactly. " * 2
 
 

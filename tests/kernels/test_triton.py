@@ -6,29 +6,22 @@ blocks) at scattered offsets, plus private buffers for forks; kernels read them 
 Slots outside every valid range hold huge values, so a read past a range shows.
 """
 
-import os
-
 import pytest
 import torch
 from streamer.kernels.reference import _partial_attention, cache_attention, forked_attention, ranges_attention
 from streamer.kernels.triton_attention import AttentionPlan, KVRange
+from testdevice import DEVICE
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 LAYERS = 3
 LAYER = 2  # kernels address layer 0 plus a stride: test a later layer
-DEVICE = os.environ.get("STREAMER_KERNEL_TEST_DEVICE", "cpu")  # conftest.py: cpu is interpreted
-
-
-@pytest.fixture(autouse=True)
-def on_device(kernel_device):
-    """Every tensor a test makes without naming a device is on the kernels' device."""
-    return kernel_device
+pytestmark = pytest.mark.usefixtures("kernel_device")  # tensors made without a device land on DEVICE
 
 
 def seeded(shape, g):
     """Seeded normal values (drawn on the CPU, so the same on every device) on the test's device."""
-    return torch.randn(shape, generator=g, device="cpu").to(torch.get_default_device())
+    return torch.randn(shape, generator=g, device="cpu").to(DEVICE)
 
 
 class Storage:

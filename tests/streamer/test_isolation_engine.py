@@ -5,7 +5,8 @@ Inputs and questions are tokenized by the tokenizer's workers before the engine 
 refused for size (`context_overflow`, `question_too_long`) never runs the tokenizer there
 (`tokenized_on_engine` stays 0), and engine commands are served per session in turns, so a
 bystander's question waits for at most one turn of each attacker session's commands before
-its first step, however many they queued. Everything is counted (commands, tokenizations), never timed."""
+its first step, however many they queued. Everything is counted (commands, tokenizations,
+steps), never timed."""
 
 import asyncio
 import concurrent.futures
@@ -27,10 +28,15 @@ HUGE = "hello world, this is a test. " * (250 * 1024 // 29)  # ~250 Ki character
 LONG_QUESTION = "why is the sky blue today? " * 300  # ~8 Ki characters, ~2k tokens (limit: 1,024)
 
 
+def started(tokenizer, **limits) -> Engine:
+    """A started engine on the tiny model, with LIMITS and `limits`."""
+    lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
+    return Engine(ModelRunner(lm.model, tokenizer, lm.name), EngineLimits(**LIMITS, **limits)).start()
+
+
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
-    engine = Engine(ModelRunner(lm.model, tokenizer, lm.name), EngineLimits(**LIMITS)).start()
+    engine = started(tokenizer)
     yield engine
     engine.stop()
 
@@ -200,8 +206,7 @@ def test_sessions_sharing_an_owner_each_get_a_turn_before_the_next_step(tokenize
     sessions of one owner and one of another, an append each, are read in one step (a round had
     one turn per owner: one session of the five a step, the last read five steps late). The
     owner's time share is set out of reach here: this is the rule, not the clock."""
-    lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
-    engine = Engine(ModelRunner(lm.model, tokenizer, lm.name), EngineLimits(**LIMITS, command_quantum_s=5.0)).start()
+    engine = started(tokenizer, command_quantum_s=5.0)
     try:
         crowd = [engine.create_session(owner="crowd").result(60)["session_id"] for _ in range(5)]
         solo = engine.create_session(owner="solo").result(60)["session_id"]
@@ -217,12 +222,10 @@ def test_a_round_ends_after_command_round_s_and_an_owner_after_its_share(tokeniz
     """A round that has run `command_round_s` ends and the engine steps; the sessions it did not
     reach go first in the next round. And an owner whose turns in a round took its share
     (`command_quantum_s`) gets no more turns in it. Commands of 60 ms each (a 100 ms round, a
-    2 ms share): of four owners', two run before a step of a session that is
-    reading, two after it; of one owner's four sessions, one a round (steps counted by the
-    commands themselves; the sleeps only make the turns long)."""
-    lm = build_tiny_model(tokenizer, seed=11, max_positions=2048)
-    engine = Engine(ModelRunner(lm.model, tokenizer, lm.name),
-                    EngineLimits(**LIMITS, step_tokens=32, command_round_s=0.1)).start()
+    2 ms share): of four owners', two run before a step of a session that is reading, two after
+    it; of one owner's four sessions, one a round (steps counted by the commands themselves; the
+    sleeps only make the turns long)."""
+    engine = started(tokenizer, step_tokens=32, command_round_s=0.1)
 
     def steps_seen(owners: list[str]) -> list[int]:
         sids = [engine.create_session(owner=o).result(60)["session_id"] for o in owners]
