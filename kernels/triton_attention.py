@@ -46,9 +46,19 @@ ITEM_FIELDS = 8  # q_lo, n_q, seg_lo, seg_hi, kv_lo, kv_hi, slot, direct
 NO_DIAG = 1 << 50  # causal_start of a range every query sees in full
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
+MERGE_SLOTS = 64  # partial slots the merge kernel is compiled for (AttentionPlan._splits: at most 64)
 
 
-@triton.jit
+# Integer arguments that change from step to step (the layer, strides that follow the step's
+# token count) are not specialized: Triton would otherwise compile a variant per value class
+# (== 1, divisible by 16, other) of each, seconds of compiling in the middle of serving. What
+# is left to specialize is fixed per model (dtype, head shape) but for BLOCK_M (decode or
+# prefill tiles) and the merge's WRITE_LSE: `warm_up` compiles those when the backend is chosen.
+_VARYING = ["layer", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_ps", "stride_pt", "stride_ph",
+            "stride_ls", "stride_lt"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _attention_kernel(Q, OUT, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -141,7 +151,7 @@ def _attention_kernel(Q, OUT, OP, LP, SEG, ITEM, QTOK, TILE, layer, scale_log2,
         tl.store(LP + slot64 * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING[3:])
 def _merge_kernel(OUT, OP, LP, MTOK, NSLOT, LSE, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
                   stride_ls, stride_lt, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   WRITE_LSE: tl.constexpr):
@@ -296,7 +306,8 @@ class AttentionPlan:
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, device: torch.device | str,
                  split_tokens: int | None = None, target_programs: int | None = None,
-                 block_n: int = 64, min_split: int = 256) -> None:
+                 block_n: int | None = None, min_split: int = 256, block_m: int | None = None,
+                 num_warps: int | None = None, num_stages: int = 2) -> None:
         if heads % kv_heads:
             raise ValueError(f"query heads {heads} not a multiple of kv heads {kv_heads}")
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -306,7 +317,8 @@ class AttentionPlan:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.split_tokens = split_tokens
         self.target_programs = device_programs(self.device) if target_programs is None else target_programs
-        self.block_n = block_n
+        self.options = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps}
+        self.num_stages = num_stages
         self.min_split = min_split
         self.requests: list[_Request] = []
         self._built = False
@@ -352,7 +364,8 @@ class AttentionPlan:
             return
         self._built = True
         rows = [sum(len(t) for t in r.tokens) * self.group for r in self.requests]  # stacked forks count whole
-        self.block_m = 16 if max(rows, default=1) <= 16 else 64
+        self.block_m = self.options["block_m"] or (16 if max(rows, default=1) <= 16 else 64)
+        self.block_n, self.num_warps = self._tiles(self.block_m, self._dtype())
         self._base_programs = max(1, self.kv_heads * sum(-(-n // self.block_m) for n in rows))
         layout = _Layout(self)
         seen: set[int] = set()
@@ -378,6 +391,23 @@ class AttentionPlan:
         self.tile = table(tiles, [[0, 0]], torch.int32)
         self.merge_tok = table([t for t, _ in merge], [0], torch.int32)
         self.merge_slots = table([n for _, n in merge], [0], torch.int32)
+
+    def _dtype(self) -> torch.dtype | None:
+        return next((r.k.dtype for req in self.requests for r in req.shared + [r for o in req.own for r in o]
+                     if r.length > 0), None)
+
+    def _tiles(self, block_m: int, dtype: torch.dtype | None) -> tuple[int, int]:
+        """(BLOCK_N, num_warps) unless given. fp32 caches take IEEE dot products on the FMA units,
+        and prefill tiles of 64 rows x 64 keys in fp32 do not fit 4 warps' registers: on an H200
+        (9 heads of 64, 3 kv heads, against torch SDPA) a 150-token chunk over 3,400 keys took
+        2,576 us with 64-key tiles on 4 warps, 144 us with 32-key tiles on 8 (SDPA 435 us); over
+        800 keys 1,383 and 87 us (SDPA 111); 600 tokens over 8,000 keys 17,975 and 1,458 us (SDPA
+        1,026). Decode rows (16-row tiles) and half-precision caches (tensor cores) keep 64-key
+        tiles on 4 warps: a bf16 chunk of 150 over 3,400 keys 103 us (SDPA 90 us)."""
+        block_n, warps = self.options["block_n"], self.options["num_warps"]
+        if dtype == torch.float32 and block_m > 16:
+            return block_n or 32, warps or 8
+        return block_n or 64, warps or 4
 
     def _splits(self, total: int) -> int:
         """How many items one sequence's `total` keys are cut into: enough to give the device
@@ -422,8 +452,9 @@ class AttentionPlan:
                 raise ValueError(f"partial buffers of {tuple(op.shape)} for {self.n_slots} slots of {tokens} tokens")
         elif self.n_slots:
             op, lp = self._partial_buffers(tokens)
-        else:
-            op, lp = out.unsqueeze(0), out  # never touched: every item writes the output
+        else:  # never touched (every item writes the output), but fp32 like real partials: one signature
+            op = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
+            lp = op[0, :, :, 0]
         block_d = max(16, triton.next_power_of_2(dim))
         if self.n_tiles:
             _attention_kernel[(self.n_tiles, self.kv_heads)](
@@ -433,16 +464,16 @@ class AttentionPlan:
                 G=self.group, D=dim, BLOCK_D=block_d, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
                 IEEE=query.dtype == torch.float32, UPCAST=query.dtype == torch.bfloat16 and _INTERPRETED,
                 ALIGNED=self.aligned,
-                num_warps=4, num_stages=2)
+                num_warps=self.num_warps, num_stages=self.num_stages)
         lse = None
         if self.n_merge and merge:
-            block_s = max(2, triton.next_power_of_2(self.n_slots))
+            block_s = max(MERGE_SLOTS, triton.next_power_of_2(self.n_slots))  # one variant up to 64 splits
             lse = torch.empty((self.n_merge, heads), dtype=torch.float32, device=query.device) if return_lse else out
             _merge_kernel[(self.n_merge, heads)](
                 out, op, lp, self.merge_tok, self.merge_slots, lse,
                 out.stride(0), out.stride(1), op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
                 D=dim, BLOCK_D=block_d, BLOCK_S=block_s, WRITE_LSE=return_lse,
-                num_warps=1 if block_s * block_d <= 2048 else 4)
+                num_warps=4)
         return (out, lse) if return_lse else out
 
     def _partial_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,3 +486,24 @@ class AttentionPlan:
                     torch.empty((self.n_slots, tokens, self.heads), dtype=torch.float32, device=self.device))
             self._partials = bufs
         return bufs
+
+
+def warm_up(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """Compile the kernel variants a model's steps use, before the first step needs them: the
+    attention kernel for decode tiles (BLOCK_M 16) and for prefill tiles (BLOCK_M 64), and the
+    merge (whether an item writes the output or a partial is decided at run time, in the same
+    binary). Runs a small plan of each over a scratch cache of the model's head shape and dtype,
+    cut into items so the merge runs too; returns how many plans ran. Compiled binaries also go
+    to Triton's on-disk cache, so a restarted process loads them."""
+    device = torch.device(device)
+    keys, split = 1024, 256
+    k = torch.zeros((kv_heads, keys, head_dim), dtype=dtype, device=device)
+    ran = 0
+    for tokens in (1, 64):  # decode rows (one token per sequence), a prefill chunk
+        plan = AttentionPlan(heads, kv_heads, head_dim, device, split_tokens=split)
+        plan.sequence(range(tokens), [KVRange(k, k, keys - tokens, causal_start=keys - 2 * tokens)])
+        plan.run(torch.zeros((tokens, heads, head_dim), dtype=dtype, device=device))
+        ran += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return ran

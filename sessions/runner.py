@@ -12,13 +12,15 @@ nothing is monkeypatched.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from streamer.kernels import cpu
-from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend
+from streamer.kernels.backend import ReferencePlan, plan_step, resolve_backend, triton_kernels
 from streamer.kernels.governor import GOVERNOR
 
 from .kvcache import KVBuffer, KVCache, KVShape
@@ -26,6 +28,8 @@ from .multimodal import vl_parts
 from .native import NativeStack
 from .rope import inverse_frequencies
 from .weights import WeightsInfo, describe_weights, stabilize_rows
+
+log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "streamer_cache"
 
@@ -215,7 +219,18 @@ class ModelRunner:
         """Choose the attention backend (auto | reference | triton; None: the environment's
         STREAMER_ATTENTION_BACKEND, else auto); returns the one in use."""
         self.attention_backend = resolve_backend(requested, self.device)
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            self._warm_up_kernels()
         return self.attention_backend
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the Triton kernels for this model's head shape now, not in its first steps
+        (kernels/triton_attention.py `warm_up`)."""
+        started = time.monotonic()
+        shape = self.kv_shape
+        triton_kernels().warm_up(self.heads, shape.kv_heads, shape.head_dim, shape.dtype, self.device)
+        log.info("Triton attention kernels ready for %d heads (%d kv) of %d, %s, in %.1f s", self.heads,
+                 shape.kv_heads, shape.head_dim, shape.dtype, time.monotonic() - started)
 
     def tokenize(self, text: str) -> list[int]:
         """Tokenize one piece on its own: never the concatenation with earlier text, so chunk

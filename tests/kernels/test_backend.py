@@ -114,6 +114,64 @@ def test_step_plans_are_freed_after_their_step(tokenizer, backend):
     assert sum(isinstance(o, (AttentionPlan, ReferencePlan)) for o in gc.get_objects()) == before
 
 
+def variant(kernel, args, kwargs) -> tuple:
+    """What Triton compiles a variant of `kernel` for, given one launch's arguments: constexprs
+    and launch options by value, tensors by dtype and 16-byte alignment, integers it may
+    specialize by whether they equal 1 and divide by 16 (not those it is told not to), floats
+    by type."""
+    names = kernel.arg_names
+    unspecialized = set((kernel.kwargs if hasattr(kernel, "kwargs") else vars(kernel)).get("do_not_specialize") or [])
+    values = {**dict(zip(names, args)), **kwargs}
+    key = []
+    for name, value in sorted(values.items()):
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif name in kwargs or isinstance(value, bool):  # constexprs and launch options (passed by name)
+            key.append((name, value))
+        elif isinstance(value, int) and name not in unspecialized:
+            key.append((name, value == 1, value % 16 == 0))
+        else:
+            key.append((name, type(value).__name__))
+    return (kernel.arg_names[0], tuple(key))
+
+
+def test_steps_launch_only_the_variants_warm_up_compiled(tokenizer):
+    """Every model step's kernel launches are of a variant `warm_up` compiled when the backend
+    was chosen: nothing compiles mid-serving (a variant per layer index or per token count
+    would stall a live session for seconds on a GPU). On a GPU, Triton's own cache of
+    compiled kernels is checked too."""
+    from streamer.kernels import triton_attention as ta
+
+    kernels = (ta._attention_kernel, ta._merge_kernel)
+    launches = []
+
+    def hook_for(kernel):
+        def hook(*args, **kwargs):
+            launches.append(variant(kernel, args, kwargs))
+        return hook
+
+    def compiled():
+        return sum(len(c[0]) for k in kernels for c in getattr(k, "device_caches", {}).values())
+
+    hooks = [(k, hook_for(k)) for k in kernels]
+    for k, hook in hooks:
+        k.add_pre_run_hook(hook)
+    try:
+        lm = build_tiny_model(tokenizer, seed=1234)
+        cfg = lm.model.config
+        ta.warm_up(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                   torch.float32, DEVICE)
+        warmed, before = set(launches), compiled()
+        assert {name for name, _ in warmed} == {"Q", "OUT"}  # both kernels ran (their first arguments)
+        launches.clear()
+        assert len(step_logits(runner_with(tokenizer, "triton"), tokenizer)) == 16
+        assert launches and set(launches) <= warmed, set(launches) - warmed
+        assert compiled() == before
+    finally:
+        for k, hook in hooks:
+            k.pre_run_hooks.remove(hook)
+
+
 def engine_answers(engine):
     """Append, query, flash questions and dual thinking through the engine; everything that
     depends on the attention: answers, flash answers, notes, and the caches."""
