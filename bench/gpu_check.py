@@ -5,7 +5,9 @@ their speed, and the engine on it end to end.
      interpreted; every Triton kernel against the torch reference on the GPU, and the engine's
      answers with the Triton backend against the reference backend (test_backend.py);
   2. `bench/kernels.py` (Triton attention vs SDPA; fused two-range vs two calls), its RESULT line;
-  3. `streamer demo` on the embedded model with `--device cuda`, once per attention backend
+  3. `bench/gpu_steps.py`: a model step per backend (chunk and decode medians) and the Triton
+     kernel variants compiled while stepping (0: `warm_up` compiled them all);
+  4. `streamer demo` on the embedded model with `--device cuda`, once per attention backend
      (triton, reference): ingest tokens/s and question first-token latency, side by side.
 
 Each step runs in its own process with its own time limit (--step-s), so one that hangs or fails
@@ -14,6 +16,7 @@ still leaves the others' figures. Needs the project installed with triton (`pip 
 
 Run: python bench/gpu_check.py [--step-s 240] [--kernel-args "--sessions 1,16,64 --tokens 512,8192"]
 Last line: `RESULT kernel_tests=<passed>/<total> fused_vs_twocall=<x> decode_bw_fraction=<x>
+triton_vs_reference_chunk=<x> variants_added=<n>
 demo_ingest_triton=<tok/s> demo_ingest_reference=<tok/s> demo_first_token_triton_ms=<median>
 demo_first_token_reference_ms=<median>` (`n/a` where a step gave nothing), or `RESULT gpu=none`.
 """
@@ -62,6 +65,13 @@ def kernel_bench(limit_s: float, extra: str) -> dict[str, str]:
     return {k: pairs.get(k, "n/a") for k in ("fused_vs_twocall", "decode_bw_fraction")}
 
 
+def model_steps(limit_s: float) -> dict[str, str]:
+    out = run([sys.executable, "bench/gpu_steps.py", "--no-profile"], limit_s)
+    found = re.findall(r"^RESULT (.*)$", out, re.M)
+    pairs = dict(p.split("=", 1) for p in found[-1].split()) if found else {}
+    return {k: pairs.get(k, "n/a") for k in ("triton_vs_reference_chunk", "variants_added")}
+
+
 def demo(backend: str, limit_s: float) -> tuple[str, str]:
     """(ingest tokens/s, median first-token ms) of `streamer demo` on CUDA with `backend`."""
     out = run([sys.executable, "-m", "streamer", "demo", "--device", "cuda", "--attention-backend", backend], limit_s)
@@ -82,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT gpu=none")
         return 0
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
-    result = {"kernel_tests": kernel_tests(args.step_s), **kernel_bench(args.step_s, args.kernel_args)}
+    result = {"kernel_tests": kernel_tests(args.step_s), **kernel_bench(args.step_s, args.kernel_args),
+              **model_steps(args.step_s)}
     for backend in ("triton", "reference"):
         result[f"demo_ingest_{backend}"], result[f"demo_first_token_{backend}_ms"] = demo(backend, args.step_s)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
