@@ -60,16 +60,19 @@ def kernel_tests(limit_s: float) -> str:
 
 def kernel_bench(limit_s: float, extra: str) -> dict[str, str]:
     out = run([sys.executable, "bench/kernels.py", *shlex.split(extra)], limit_s)
+    return result_fields(out, ("fused_vs_twocall", "decode_bw_fraction"))
+
+
+def result_fields(out: str, keys: tuple[str, ...]) -> dict[str, str]:
+    """`keys` from the last `RESULT k=v ...` line of a step's output (`n/a` where missing)."""
     found = re.findall(r"^RESULT (.*)$", out, re.M)
     pairs = dict(p.split("=", 1) for p in found[-1].split()) if found else {}
-    return {k: pairs.get(k, "n/a") for k in ("fused_vs_twocall", "decode_bw_fraction")}
+    return {k: pairs.get(k, "n/a") for k in keys}
 
 
 def model_steps(limit_s: float) -> dict[str, str]:
     out = run([sys.executable, "bench/gpu_steps.py", "--no-profile"], limit_s)
-    found = re.findall(r"^RESULT (.*)$", out, re.M)
-    pairs = dict(p.split("=", 1) for p in found[-1].split()) if found else {}
-    return {k: pairs.get(k, "n/a") for k in ("triton_vs_reference_chunk", "variants_added")}
+    return result_fields(out, ("triton_vs_reference_chunk", "variants_added"))
 
 
 def demo(backend: str, limit_s: float) -> tuple[str, str]:
