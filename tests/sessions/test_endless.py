@@ -91,10 +91,10 @@ def test_a_plain_session_takes_50000_rows_with_bounded_memory(tokenizer):
 
 @pytest.mark.embedded
 @pytest.mark.timeout(1800)
-def test_the_embedded_model_takes_2000_rows_in_a_bounded_session(embedded):
+def test_the_embedded_model_takes_1200_rows_in_a_bounded_session(embedded):
     runner = ModelRunner(embedded.model, embedded.tokenizer, embedded.name)
-    engine, sid, acks, samples = run_feed(runner, 2000, 100, step_tokens=2048)
-    check_endless(engine, sid, acks, samples, 2000)
+    engine, sid, acks, samples = run_feed(runner, 1200, 100, step_tokens=2048)
+    check_endless(engine, sid, acks, samples, 1200)
 
 
 def test_no_flash_answers_before_any_data(tiny):
