@@ -56,8 +56,8 @@ def run_backend(runner, ids: list[int], chunk: int, decode: int) -> dict:
     for lo in range(0, len(ids), chunk):
         chunks.append(timed(lambda: step(ids[lo:lo + chunk])))
     decodes = [timed(lambda: step([ids[i % len(ids)]])) for i in range(decode)]
-    return {"chunk_first": chunks[0], "chunk": statistics.median(chunks[1:]), "decode_first": decodes[0],
-            "decode": statistics.median(decodes[1:]), "tokens": pos, "step": step}
+    return {"chunk_first": chunks[0], "chunk": statistics.median(chunks[1:] or chunks), "decode_first": decodes[0],
+            "decode": statistics.median(decodes[1:] or decodes), "tokens": pos, "step": step}
 
 
 def profile(step, ids: list[int], chunk: int) -> None:
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=32, help="decode steps after the document (default: %(default)s)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     args = parser.parse_args(argv)
+    if args.chunk < 1 or args.decode < 1:
+        parser.error("--chunk and --decode must be at least 1")
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to measure here")
         print("RESULT gpu=none")

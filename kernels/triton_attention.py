@@ -46,14 +46,16 @@ ITEM_FIELDS = 8  # q_lo, n_q, seg_lo, seg_hi, kv_lo, kv_hi, slot, direct
 NO_DIAG = 1 << 50  # causal_start of a range every query sees in full
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
-MERGE_SLOTS = 64  # partial slots the merge kernel is compiled for (AttentionPlan._splits: at most 64)
+MERGE_SLOTS = 64  # partial slots the merge kernel is compiled for: a range set is cut into at most
+# half of them (AttentionPlan._splits), so a fork's shared and own parts together fit
 
 
 # Integer arguments that change from step to step (the layer, strides that follow the step's
 # token count) are not specialized: Triton would otherwise compile a variant per value class
 # (== 1, divisible by 16, other) of each, seconds of compiling in the middle of serving. What
 # is left to specialize is fixed per model (dtype, head shape) but for BLOCK_M (decode or
-# prefill tiles) and the merge's WRITE_LSE: `warm_up` compiles those when the backend is chosen.
+# prefill tiles): `warm_up` compiles both, and the merge, when the backend is chosen (the merge's
+# WRITE_LSE, the log-sum-exps a caller asks for, is not used by the engine's steps).
 _VARYING = ["layer", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_ps", "stride_pt", "stride_ph",
             "stride_ls", "stride_lt"]
 
@@ -323,6 +325,7 @@ class AttentionPlan:
         self.requests: list[_Request] = []
         self._built = False
         self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scratch: torch.Tensor | None = None  # the stand-in partial buffers of a plan without partials
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -411,14 +414,16 @@ class AttentionPlan:
 
     def _splits(self, total: int) -> int:
         """How many items one sequence's `total` keys are cut into: enough to give the device
-        `target_programs` programs, each at least `min_split` keys (at most 64)."""
+        `target_programs` programs, each at least `min_split` keys; at most MERGE_SLOTS / 2 (32),
+        so a fork's shared and own parts together merge in the one compiled variant."""
         if total <= 0:
             return 1
         if self.split_tokens:
             return max(1, -(-total // self.split_tokens))
         if not self.target_programs or total < 2 * self.min_split or self._base_programs >= self.target_programs:
             return 1
-        return max(1, min(-(-self.target_programs // self._base_programs), total // self.min_split, 64))
+        return max(1, min(-(-self.target_programs // self._base_programs), total // self.min_split,
+                          MERGE_SLOTS // 2))
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -453,8 +458,9 @@ class AttentionPlan:
         elif self.n_slots:
             op, lp = self._partial_buffers(tokens)
         else:  # never touched (every item writes the output), but fp32 like real partials: one signature
-            op = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
-            lp = op[0, :, :, 0]
+            if self._scratch is None:
+                self._scratch = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
+            op, lp = self._scratch, self._scratch[0, :, :, 0]
         block_d = max(16, triton.next_power_of_2(dim))
         if self.n_tiles:
             _attention_kernel[(self.n_tiles, self.kv_heads)](
@@ -467,7 +473,7 @@ class AttentionPlan:
                 num_warps=self.num_warps, num_stages=self.num_stages)
         lse = None
         if self.n_merge and merge:
-            block_s = max(MERGE_SLOTS, triton.next_power_of_2(self.n_slots))  # one variant up to 64 splits
+            block_s = max(MERGE_SLOTS, triton.next_power_of_2(self.n_slots))  # one variant up to 64 slots
             lse = torch.empty((self.n_merge, heads), dtype=torch.float32, device=query.device) if return_lse else out
             _merge_kernel[(self.n_merge, heads)](
                 out, op, lp, self.merge_tok, self.merge_slots, lse,

@@ -157,19 +157,35 @@ def test_steps_launch_only_the_variants_warm_up_compiled(tokenizer):
     for k, hook in hooks:
         k.add_pre_run_hook(hook)
     try:
-        lm = build_tiny_model(tokenizer, seed=1234)
-        cfg = lm.model.config
-        ta.warm_up(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                   torch.float32, DEVICE)
+        runner = runner_with(tokenizer, "triton")  # on a GPU, choosing the backend warms it up
+        shape = runner.kv_shape
+        ta.warm_up(runner.heads, shape.kv_heads, shape.head_dim, shape.dtype, DEVICE)  # the CPU: here
         warmed, before = set(launches), compiled()
         assert {name for name, _ in warmed} == {"Q", "OUT"}  # both kernels ran (their first arguments)
         launches.clear()
-        assert len(step_logits(runner_with(tokenizer, "triton"), tokenizer)) == 16
+        assert len(step_logits(runner, tokenizer)) == 16
         assert launches and set(launches) <= warmed, set(launches) - warmed
         assert compiled() == before
     finally:
         for k, hook in hooks:
             k.pre_run_hooks.remove(hook)
+
+
+def test_a_fork_groups_partial_slots_fit_the_compiled_merge():
+    """Where few programs fill the device, a long range is cut into many items; a fork group's
+    shared part and each fork's own part are cut separately, and together they must fit the
+    merge variant warm_up compiled (MERGE_SLOTS): a shared prefix of 64 x 256 keys and forks of
+    8K own keys each, one kv head, on a device of 1,000 programs."""
+    from streamer.kernels.triton_attention import MERGE_SLOTS, AttentionPlan, KVRange
+
+    def cache(n):
+        k = torch.zeros((1, n, 16))
+        return KVRange(k, k, n)
+
+    plan = AttentionPlan(2, 1, 16, "cpu", target_programs=1000)
+    plan.forks([[0], [1]], [cache(64 * 256)], [[cache(8192)], [cache(8192)]])
+    plan.build()
+    assert plan.n_slots == MERGE_SLOTS  # half for the shared part, half for the own: no more
 
 
 def engine_answers(engine):
