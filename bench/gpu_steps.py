@@ -25,14 +25,6 @@ from importlib import resources
 import torch
 
 
-def compiled_variants() -> int:
-    from streamer.kernels.backend import triton_kernels
-
-    ta = triton_kernels()
-    return sum(len(c[0]) for k in (ta._attention_kernel, ta._merge_kernel)
-               for c in getattr(k, "device_caches", {}).values())
-
-
 def timed(fn) -> float:
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -86,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA GPU: nothing to measure here")
         print("RESULT gpu=none")
         return 0
+    from streamer.kernels.backend import triton_kernels
     from streamer.sessions.models import load_model
     from streamer.sessions.runner import ModelRunner
+
+    compiled_variants = triton_kernels().compiled_variants
 
     lm = load_model(args.model, args.dtype, "cuda")
     runner = ModelRunner(lm.model, lm.tokenizer, lm.name)

@@ -513,3 +513,9 @@ def warm_up(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return ran
+
+
+def compiled_variants() -> int:
+    """How many binaries of the two kernels Triton holds in this process (0 when interpreted)."""
+    return sum(len(cache[0]) for kernel in (_attention_kernel, _merge_kernel)
+               for cache in getattr(kernel, "device_caches", {}).values())

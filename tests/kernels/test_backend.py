@@ -150,9 +150,6 @@ def test_steps_launch_only_the_variants_warm_up_compiled(tokenizer):
             launches.append(variant(kernel, args, kwargs))
         return hook
 
-    def compiled():
-        return sum(len(c[0]) for k in kernels for c in getattr(k, "device_caches", {}).values())
-
     hooks = [(k, hook_for(k)) for k in kernels]
     for k, hook in hooks:
         k.add_pre_run_hook(hook)
@@ -160,12 +157,12 @@ def test_steps_launch_only_the_variants_warm_up_compiled(tokenizer):
         runner = runner_with(tokenizer, "triton")  # on a GPU, choosing the backend warms it up
         shape = runner.kv_shape
         ta.warm_up(runner.heads, shape.kv_heads, shape.head_dim, shape.dtype, DEVICE)  # the CPU: here
-        warmed, before = set(launches), compiled()
+        warmed, before = set(launches), ta.compiled_variants()
         assert {name for name, _ in warmed} == {"Q", "OUT"}  # both kernels ran (their first arguments)
         launches.clear()
         assert len(step_logits(runner, tokenizer)) == 16
         assert launches and set(launches) <= warmed, set(launches) - warmed
-        assert compiled() == before
+        assert ta.compiled_variants() == before
     finally:
         for k, hook in hooks:
             k.pre_run_hooks.remove(hook)
