@@ -10,7 +10,7 @@ trial fails, then bisects between the last pass and the first failure.
 The server is a separate process (`python -m streamer serve`), so the feeds' client work does
 not share its interpreter; on a 2-core machine they still share the cores.
 
-    python bench/capacity.py [--model embedded] [--seconds 40] [--max-feeds 256]
+    python bench/capacity.py [--model embedded] [--seconds 40] [--max-feeds 256] [--feeds 12,14]
 
 The peer half runs the same workload on llama.cpp's `llama-server` (a bench dependency only:
 `bash bench/build_llama_server.sh` builds it from the llama.cpp source that `llama-cpp-python`
@@ -346,8 +346,11 @@ def staleness_within(values: list[float]) -> dict[float, int]:
     return {b: sum(v <= b for v in values) for b in bounds}
 
 
-def search(run, max_feeds: int) -> int:
-    """The largest N that passes: double from 1 to the first failure, then bisect to within an eighth."""
+def search(run, max_feeds: int, fixed: list[int] | None = None) -> int:
+    """The largest N that passes: double from 1 to the first failure, then bisect to within an
+    eighth; with `fixed`, the largest of those counts that passes (each tried once; 0 if none)."""
+    if fixed:
+        return max([n for n in fixed if run(n)], default=0)
     good, bad, n = 0, None, 1
     while n <= max_feeds:
         if not run(n):
@@ -388,15 +391,18 @@ def main() -> None:
     parser.add_argument("--max-feeds", type=int, default=256, help="stop searching here (default: %(default)s)")
     parser.add_argument("--serve-arg", action="append", default=[], help="an extra `streamer serve` argument")
     parser.add_argument("--only", choices=["ours", "llama"], help="run one half")
+    parser.add_argument("--feeds", help="trials at these feed counts only (comma-separated), no search; "
+                                        "RESULT gives the largest that passed")
     parser.add_argument("--llama-server", help=f"the llama-server binary (default: on PATH, else {LLAMA_DEFAULT})")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="llama-server's threads (default: the machine's %(default)s cores, as our pool)")
     args = parser.parse_args()
+    fixed = [int(n) for n in args.feeds.split(",")] if args.feeds else None
     ours = llama = float("nan")
     if args.only != "llama":
         server = Server(args.model, args.serve_arg)
         try:
-            ours = search(lambda n: report("ours ", trial(server, n, args.seconds)), args.max_feeds)
+            ours = search(lambda n: report("ours ", trial(server, n, args.seconds)), args.max_feeds, fixed)
         finally:
             server.stop()
         print(f"feeds per machine, ours ({args.model}, 1 row/s, 2 flash questions, a question every 10 s; "
@@ -411,7 +417,7 @@ def main() -> None:
             gguf = str(embedded_gguf_path())
             print(f"llama-server: {binary} on {gguf}, {args.threads} threads", flush=True)
             llama = search(lambda n: report("llama", llama_trial(binary, gguf, args.threads, n, args.seconds)),
-                           args.max_feeds)
+                           args.max_feeds, fixed)
             print(f"feeds per machine, llama-server (the same workload and rule): {llama}", flush=True)
     ratio = float("nan") if math.isnan(ours) or math.isnan(llama) else ours / llama if llama else float("inf")
     print(f"RESULT feeds={ours} llama_feeds={llama} feeds_vs_llama={ratio:.2f}")

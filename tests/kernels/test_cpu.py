@@ -230,6 +230,27 @@ def test_a_sequence_reads_the_same_alone_or_batched(tokenizer, path):
             lib.set_threads(threads)
 
 
+@pytest.mark.parametrize("path", ["native", "avx2"])
+def test_a_sequence_reads_the_same_in_one_step_or_row_by_row(tokenizer, path):
+    """Logits and cache bit for bit, head_dim 64 on the fp16 cache (the SIMD attention): the rows
+    of a long step are computed in tiles of 16 that merge their chunks inline, a row read alone
+    as a short sequence whose chunks (a whole 1,024 and a tail) are separate tasks; the same
+    operations either way, so replay in other step sizes equals the original."""
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=24, path=path, hidden=256, heads=4, kv_heads=1)
+    ids = ids_of(1100, 6)
+    whole = native.new_cache(1200)
+    one_step = native.forward([SeqStep(whole, 0, ids)], logits="all")[0]
+    whole.commit(len(ids))
+    rows = native.new_cache(1200)
+    native.forward([SeqStep(rows, 0, ids[:1060])], logits="none")
+    rows.commit(1060)
+    for i in range(1060, len(ids)):  # one row a step: few queries a task, keys past a whole chunk
+        got = native.forward([SeqStep(rows, i, [ids[i]])], logits="all")[0]
+        rows.commit(i + 1)
+        assert torch.equal(got[0], one_step[i]), i
+    assert torch.equal(rows.snapshot(), whole.snapshot())
+
+
 def _fp16_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     group = query.shape[1] // key.shape[1]
     k = key.half().float().repeat_interleave(group, 1)
