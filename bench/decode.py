@@ -52,6 +52,7 @@ median over sizes.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -80,17 +81,19 @@ STREAM_BYTES = 1 << 30  # the bandwidth probe reads 1 GiB: far past any cache
 PAIR_REPS = 3  # reads of the probe right before and after each timed answer
 
 
-_STREAM: list[torch.Tensor] = []  # the probe's tensor, made once
+@functools.cache
+def _probe_tensor() -> torch.Tensor:
+    """The probe's 1 GiB, made once, its pages touched and torch's threads started."""
+    x = torch.ones(STREAM_BYTES // 4)
+    x.sum()
+    return x
 
 
 def stream_bandwidth(reps: int = 5) -> float:
     """Bytes/s this machine streams from memory with torch's threads (set by --threads): the
     median of `reps` full reads (a sum) of a 1 GiB float32 tensor, as a decode step reads its
     weights and KV once."""
-    if not _STREAM:
-        _STREAM.append(torch.ones(STREAM_BYTES // 4))
-        _STREAM[0].sum()  # pages touched and threads started before timing
-    x = _STREAM[0]
+    x = _probe_tensor()
     times = []
     for _ in range(reps):
         started = time.perf_counter()
@@ -255,7 +258,7 @@ def main() -> None:
     print(f"threads={args.threads}  load average {os.getloadavg()[0]:.1f} at start")
     bandwidth = [stream_bandwidth()]
     llama_ingest: dict[int, float] = {}
-    floors: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (format, size) -> (floor s, s/token) a round
+    paired: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (format, size) -> (bytes/s near, s/token) a round
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
     for size in sizes:
         ids = next(iter(ours.values())).prepare(size)
@@ -274,14 +277,13 @@ def main() -> None:
             for name, run in engines.items():
                 r = results.setdefault((name, size), {"a8": [], "a64": [], "decode": []})
                 r["a8"].append(run(8)[0])
-                paired = name.startswith("ours-")  # the bandwidth right before and after this answer
-                before = stream_bandwidth(PAIR_REPS) if paired else 0.0
+                fmt = name.removeprefix("ours-") if name.startswith("ours-") else None
+                before = stream_bandwidth(PAIR_REPS) if fmt else 0.0  # the bandwidth right before and after
                 total, per_token = run(64)
-                if paired:
+                if fmt:
                     near = (before + stream_bandwidth(PAIR_REPS)) / 2
                     bandwidth.append(near)
-                    floors.setdefault((name[5:], size), []).append((step_bytes(ours[name[5:]].runner, size) / near,
-                                                                    per_token))
+                    paired.setdefault((fmt, size), []).append((near, per_token))
                 r["a64"].append(total)
                 r["decode"].append(per_token)
     bandwidth.append(stream_bandwidth())  # before and after the timed rounds
@@ -307,11 +309,11 @@ def main() -> None:
     for size in sizes:
         for fmt in formats:
             nbytes = step_bytes(ours[fmt].runner, size)
-            rounds = floors[(fmt, size)]
-            of_limit[(fmt, size)] = statistics.median(floor / took for floor, took in rounds)
-            floor, took = statistics.median(f for f, _ in rounds), statistics.median(t for _, t in rounds)
-            print(f"{size:>8} {'ours-' + fmt:>12} {nbytes / 1e6:>10.1f} {nbytes / floor / 1e9:>10.1f} "
-                  f"{floor * 1000:>9.2f} {took * 1000:>7.2f} {of_limit[(fmt, size)]:>9.2f}")
+            rounds = paired[(fmt, size)]
+            of_limit[(fmt, size)] = statistics.median(nbytes / near / took for near, took in rounds)
+            near, took = statistics.median(b for b, _ in rounds), statistics.median(t for _, t in rounds)
+            print(f"{size:>8} {'ours-' + fmt:>12} {nbytes / 1e6:>10.1f} {near / 1e9:>10.1f} "
+                  f"{nbytes / near * 1000:>9.2f} {took * 1000:>7.2f} {of_limit[(fmt, size)]:>9.2f}")
     small, large = min(sizes), max(sizes)
     ratios["decode512_of_limit"], ratios["decode4k_of_limit"] = of_limit[(best, small)], of_limit[(best, large)]
     ratios["ingest_tok_s"] = statistics.median(ours[best].ingest[s] for s in sizes)
