@@ -274,6 +274,13 @@ static inline void split(int total, int tid, int nth, int *lo, int *hi) {
  * scales: Q8_0's 8.5 bits a weight, no offsets. */
 
 #define COLS 16 /* columns per group */
+/* Weights a tile asks the memory for ahead of the block it reads (bytes; a thread's groups lie
+ * one after another, so this runs ahead through its share of the matrix). The hardware prefetcher
+ * alone kept a 2-core Zen 5 at ~42 GB/s on a cold 1.1 MB matrix read by one row; 8 KB ahead made
+ * it 67 GB/s (1.6x; 1.4-1.8x for 2-24 rows) and a decode step 11-24% faster (bench/decode.py).
+ * A prefetch never faults, so reading ahead past the matrix's end is harmless. */
+#define PREFETCH_AHEAD 8192
+
 #if SK_AVX512
 #define MR 12 /* GEMM micro-tile: rows (a block's unpacked weights serve them all from registers; 12 x 16
                  columns measured ~20% faster than 4 on a 2-core Zen 4) */
@@ -439,6 +446,7 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
     for (int i = 0; i < rc; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = base + (int64_t)b * bb;
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)u + PREFETCH_AHEAD + l, _MM_HINT_T0);
         __m512i w[8];
         if (bits == 8) {
             for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(u + 64 * c));
@@ -486,6 +494,7 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
     for (int i = 0; i < rc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = base + (int64_t)b * bb;
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)u + PREFETCH_AHEAD + l, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7: bytes 32h .. 32h + 31 of each 64-byte chunk */
             __m256i w[8];
             if (bits == 8) { /* stored q + 128: the signed code, for the sign trick below */
