@@ -405,6 +405,11 @@ def cached_pack(model: nn.Module, fmt: str, gguf: Path,
         lock.release()
 
 
+ROPE_BLOCK = 1024  # positions whose cos/sin the rotary table adds at a time
+ROPE_TABLE_MAX = 1 << 17  # past this position a step runs the rotary module itself (the table stays <= 64 MB at head_dim 64)
+MOVING_ROPE = ("dynamic", "longrope")  # frequencies that depend on the longest position of a call: no table
+
+
 class NativeStack:
     """The decoder of a model that `apply_native` converted, as one C call per step. `kernels`:
     the build of the C kernels to run (default: this machine's)."""
@@ -432,12 +437,34 @@ class NativeStack:
                                      inter=cfg.intermediate_size, kv_fp16=kv_dtype == torch.float16,
                                      eps=cfg.rms_norm_eps, scale=scale, final_norm=decoder.norm.weight)
         self.hidden, self.head_dim, self.kv_dtype = cfg.hidden_size, head_dim, kv_dtype
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        # cos/sin of positions 0 .. n-1 computed by the model's rotary module (fp32), grown a block
+        # at a time; None where the frequencies move with a call's positions
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = (
+            (torch.empty(0, head_dim), torch.empty(0, head_dim))
+            if isinstance(rope_type, str) and rope_type not in MOVING_ROPE else None)
+
+    def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[rows, head_dim]` (fp32, contiguous) of the step's positions. The rotary
+        module's values are elementwise in the position (a position's cos/sin are the same in any
+        call), so a table of them gives every step the same values the module would, without its
+        half dozen small ops a step (a decode step's Python runs on caches the step just flushed)."""
+        table = self._rope
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if table is None or top > ROPE_TABLE_MAX:
+            cos, sin = self.rotary(h[None], positions[None])
+            return cos[0].float().contiguous(), sin[0].float().contiguous()
+        have = table[0].shape[0]
+        if top > have:
+            more = torch.arange(have, (top + ROPE_BLOCK - 1) // ROPE_BLOCK * ROPE_BLOCK)
+            cos, sin = self.rotary(h[None], more[None])
+            table = self._rope = (torch.cat([table[0], cos[0].float()]), torch.cat([table[1], sin[0].float()]))
+        return table[0][positions], table[1][positions]
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence, ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden states `[N, hidden]` of the step's tokens (`ids`, at
         `positions`), each sequence's K/V written at its slots (seq.offset: its first row)."""
         h = self.embed(torch.tensor(ids, dtype=torch.long)).float().contiguous()
-        cos, sin = self.rotary(h[None], positions[None])
-        plan = ck.StepPlan(seqs, cos[0].float().contiguous(), sin[0].float().contiguous())
+        plan = ck.StepPlan(seqs, *self._cos_sin(h, positions))
         return self.lib.forward(self.model, plan, h, torch.empty_like(h), self.ctx)

@@ -298,10 +298,10 @@ class ModelRunner:
         if logits == "all":
             rows = head(hidden).float()
             return [rows[s.offset:s.offset + s.n] for s in seqs]
-        hidden = hidden[torch.tensor([s.offset + s.n - 1 for s in seqs], device=hidden.device)]
-        wanted = [i for i, s in enumerate(seqs) if s.head]
+        last = [s.offset + s.n - 1 for s in seqs]  # each sequence's last row
+        wanted = [row for row, s in zip(last, seqs) if s.head]
         rows = iter(head(hidden[wanted]).float().unbind(0) if wanted else ())
-        return [next(rows) if s.head else DeferredLogits(hidden[i].clone(), head) for i, s in enumerate(seqs)]
+        return [next(rows) if s.head else DeferredLogits(hidden[row].clone(), head) for row, s in zip(last, seqs)]
 
     def _forward_vl(self, seqs: Sequence[SeqStep], positions: list[torch.Tensor], meta: StepMetadata) -> torch.Tensor:
         """A VL model's language model over input embeddings (token embeddings, or a frame's own)

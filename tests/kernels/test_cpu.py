@@ -428,6 +428,26 @@ def test_the_stack_runs_the_other_families(tokenizer, kind):
     close_rows(outs[0], outs[1])
 
 
+def test_the_rotary_table_gives_the_module_s_values(tokenizer):
+    """A step's cos/sin come from a table the stack grows a block of 1,024 positions at a time
+    from the model's own rotary module: bit for bit the module's values for positions in any
+    order and across blocks. A model whose frequencies move with a call's positions (dynamic
+    RoPE) keeps no table."""
+    native, _ = tiny_runners(tokenizer, torch.float32)
+    stack = native.native
+    for positions in (torch.tensor([5, 6, 7]), torch.tensor([2500, 17, 1023, 1024]), torch.arange(1000, 1100)):
+        h = torch.zeros(len(positions), 64)
+        cos, sin = stack._cos_sin(h, positions)
+        want_cos, want_sin = stack.rotary(h[None], positions[None])
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+        assert cos.is_contiguous() and sin.is_contiguous()
+    assert stack._rope[0].shape[0] == 3 * 1024  # grown to cover position 2,500
+    lm = build_tiny_model(tokenizer, seed=3)
+    apply_weights(lm.model, "int4", native=True)
+    lm.model.model.rotary_emb.rope_type = "dynamic"
+    assert NativeStack(lm.model, torch.float32)._rope is None
+
+
 # ---- the C boundary: the ABI checked at load, sizes from C, one exception per error code ------
 
 
