@@ -450,7 +450,7 @@ class NativeStack:
         call), so a table of them gives every step the same values the module would, without its
         half dozen small ops a step (a decode step's Python runs on caches the step just flushed)."""
         table = self._rope
-        top = int(positions.max()) + 1 if positions.numel() else 0
+        top = int(positions.max()) + 1  # a step has at least one row
         if table is None or top > ROPE_TABLE_MAX:
             cos, sin = self.rotary(h[None], positions[None])
             return cos[0].float().contiguous(), sin[0].float().contiguous()
