@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .detok import TextStream
 from .errors import Code, ContextOverflow, InvalidRequest
 from .forks import fork_view
 from .jobs import Job, Priority
@@ -103,6 +104,7 @@ class QueryJob(Job):
         self.base: int | None = None
         self.fed = 0  # fork tokens already in the cache (question + generated)
         self.generated: list[int] = []
+        self.stream = TextStream(session.tokenizer)  # the answer's text, a few tokens decoded a token
         self.text = ""
         self.finish_reason = ""
         self.started_at = self.first_token_at = self.prefilled_at = self.done_at = 0.0
@@ -199,11 +201,12 @@ class QueryJob(Job):
             self._finish("length" if self.max_new == self.params.max_tokens else "context_window")
 
     def _emit_text(self) -> None:
-        text = self.session.tokenizer.decode(self.generated, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
+        before = len(self.stream.text)
+        if not self.stream.push(self.generated[-1]) and len(self.stream.text) == before:
+            return  # no new text (an incomplete UTF-8 character waits for the next token)
+        text = self.stream.text
         for stop in self.params.stop:
-            cut = text.find(stop)
+            cut = text.find(stop, max(0, before - len(stop) + 1))  # a stop string ends in the new text
             if cut >= 0:
                 self._push(text[:cut])
                 self._finish("stop_string")
@@ -219,6 +222,8 @@ class QueryJob(Job):
             self.text = text
 
     def _finish(self, reason: str) -> None:
+        if reason != "stop_string":  # the final text is the whole decode's (once, not a token)
+            self._push(self.stream.finish())
         self.finish_reason = reason
         self.done_at = time.monotonic()
         self.done = True

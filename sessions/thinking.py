@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .detok import TextStream
 from .errors import EngineError, InvalidRequest
 from .forks import fork_view
 from .jobs import UNBOUNDED, Job, Lanes, Priority
@@ -308,6 +309,7 @@ class ThinkJob(Job):
         self.budget = self.config.final_tokens if self.final else self.config.unit_tokens
         self.epoch = session.crop_epoch
         self.generated: list[int] = []
+        self.stream = TextStream(session.tokenizer)  # the unit's text, a few tokens decoded a token
         self.to_feed: list[int] = []  # tokens to write before sampling again
         self.phase = "header"  # header -> decode -> closing (feed the last token) -> reopen -> done
         self.cancelled = False
@@ -457,11 +459,10 @@ class ThinkJob(Job):
             self._close()
             return
         self.generated.append(token)
-        text = self.session.tokenizer.decode(self.generated, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            delta, self.unit.text = text[len(self.unit.text):], text
-            if delta:
-                self.session.notify("reasoning.delta", {"unit": self.unit.index, "delta": delta})
+        delta = self.stream.push(token)
+        text = self.unit.text = self.stream.text
+        if delta:
+            self.session.notify("reasoning.delta", {"unit": self.unit.index, "delta": delta})
         self.to_feed = [token]
         stop, stripped = self.config.stop, text.rstrip(" ")
         if (len(self.generated) >= self.budget
@@ -484,6 +485,7 @@ class ThinkJob(Job):
         unit.done_at = time.monotonic()
         unit.end = (state.cache if self.dual else self.session.cache).length
         unit.ids = list(self.generated)
+        unit.text = self.stream.finish()  # the whole decode's text (once, not a token)
         if self.final:
             state.final_done = True
         if self.dual and self._refuse_repeat():
