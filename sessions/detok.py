@@ -26,14 +26,12 @@ def fast_decode(tokenizer) -> Callable[[list[int]], str]:
     """The tokenizer's decode with special tokens skipped: its Rust backend's directly where the
     Python wrapper would only call it (a fast tokenizer with no clean-up and no `_decode` of its
     own; ~1 us for a few tokens instead of ~6-25 us), otherwise the tokenizer's own `decode`."""
+    from transformers import PreTrainedTokenizerFast
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        try:
-            from transformers import PreTrainedTokenizerFast
-        except ImportError:  # pragma: no cover - transformers is a dependency
-            PreTrainedTokenizerFast = None
-        if PreTrainedTokenizerFast is not None and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
-            return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    if (backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 

@@ -201,10 +201,10 @@ class QueryJob(Job):
             self._finish("length" if self.max_new == self.params.max_tokens else "context_window")
 
     def _emit_text(self) -> None:
-        before = len(self.stream.text)
-        if not self.stream.push(self.generated[-1]) and len(self.stream.text) == before:
+        self.stream.push(self.generated[-1])
+        text, before = self.stream.text, len(self.text)
+        if text == self.text:
             return  # no new text (an incomplete UTF-8 character waits for the next token)
-        text = self.stream.text
         for stop in self.params.stop:
             cut = text.find(stop, max(0, before - len(stop) + 1))  # a stop string ends in the new text
             if cut >= 0:

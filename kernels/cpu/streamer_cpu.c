@@ -281,10 +281,15 @@ static inline void split(int total, int tid, int nth, int *lo, int *hi) {
  * A prefetch never faults, so reading ahead past the matrix's end is harmless. */
 #define PREFETCH_AHEAD 8192
 
-/* Ask for the bytes PREFETCH_AHEAD past a block of `bb` bytes at u (the block read later; integer
- * arithmetic: the address may lie past the matrix). */
+/* Ask for the line `ahead` bytes past p (prefetcht0; integer arithmetic: the address may lie past
+ * the matrix or the cache it reads). */
+static inline void prefetch_at(const void *p, int64_t ahead) {
+    __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 3);
+}
+
+/* Ask for the bytes PREFETCH_AHEAD past a block of `bb` bytes at u (the block read later). */
 static inline void prefetch_ahead(const uint8_t *u, int bb) {
-    for (int l = 0; l < bb; l += 64) __builtin_prefetch((const void *)((uintptr_t)u + PREFETCH_AHEAD + l), 0, 3); /* prefetcht0 */
+    for (int l = 0; l < bb; l += 64) prefetch_at(u + l, PREFETCH_AHEAD);
 }
 
 #if SK_AVX512
@@ -1272,9 +1277,6 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
 #define ATT_K_AHEAD (16 << 10)
 #define ATT_V_AHEAD_SCORES (4 << 10)
 #define ATT_V_AHEAD (8 << 10)
-static inline void prefetch_at(const void *p, int64_t ahead) {
-    __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 3); /* integer address: may lie past the cache */
-}
 
 /* chunk_parts for head_dim 64 and an fp16 cache on 8-lane vectors: keys are converted four at a
  * time into a buffer in L1 that serves every query (the generic path converted the whole chunk's
