@@ -227,6 +227,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     P, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     signatures = {
         "sk_abi_version": ([], i32), "sk_simd": ([], i32), "sk_set_threads": ([i32], i32), "sk_threads": ([], i32),
+        "sk_amx": ([], i32), "sk_set_amx": ([i32], i32),
         "sk_block_bytes": ([i32], i32), "sk_quant_block": ([], i32), "sk_matrix_cols": ([], i32),
         "sk_max_ranges": ([], i32), "sk_max_group": ([], i32), "sk_max_threads": ([], i32),
         "sk_group_bytes": ([i32, i32], i64), "sk_matrix_bytes": ([i32, i32, i32], i64),
@@ -292,6 +293,8 @@ class Kernels:
         self.max_ranges = lib.sk_max_ranges()  # read-only ranges one sequence may read
         self.max_group = lib.sk_max_group()  # query heads per kv head
         self.block_bytes = {bits: lib.sk_block_bytes(bits) for bits in (4, 8)}  # one block of a column group
+        if os.environ.get("STREAMER_AMX", "1") == "0":  # the vector path for every row (same results)
+            lib.sk_set_amx(0)
         self.contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         self.shared = self.context()  # for callers without their own (a model's standalone linear layers)
         # the pool's threads: at most what set_threads asked for, fewer while other work holds cores
@@ -300,6 +303,16 @@ class Kernels:
 
     def simd(self) -> str:
         return SIMD[self.cdll.sk_simd()]
+
+    def amx(self) -> bool:
+        """Whether full tiles of 16 rows run their integer sums on AMX (same results as the
+        vector path: only faster)."""
+        return bool(self.cdll.sk_amx())
+
+    def set_amx(self, on: bool) -> bool:
+        """Use AMX where the CPU and the kernel allow it (the default unless STREAMER_AMX=0), or
+        not; returns whether it is in use."""
+        return bool(self.cdll.sk_set_amx(int(bool(on))))
 
     def threads(self) -> int:
         return self.cdll.sk_threads()

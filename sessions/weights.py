@@ -62,7 +62,7 @@ class WeightsInfo:
     source: str = "checkpoint"  # checkpoint | quantized at load | gguf <types>, e.g. gguf Q4_1, gguf Q4_K+Q6_K
     linear_bytes: int = 0  # bytes of the linear layers' weights (read once per decode step)
     requested: str = "fp32"
-    kernels: str = "torch"  # torch | native (<simd>): streamer's C kernels | aten: ATen's packed kernels
+    kernels: str = "torch"  # torch | native (<simd>[ + amx]): streamer's C kernels | aten: ATen's packed kernels
     repack: dict | None = None  # a GGUF's blocks repacked into the native formats: gguf_file.Repack.public()
 
     def public(self) -> dict:
@@ -296,7 +296,7 @@ def describe_weights(model: nn.Module, requested: str | None = None) -> WeightsI
     if native:
 
         nbytes += sum(m.nbytes() for m in _fused_matrices(model))
-        kernels = f"native ({simd()})"
+        kernels = f"native ({simd()}{' + amx' if cpu.load().amx() else ''})"
     return WeightsInfo(format=fmt, requested=requested or fmt, linear_bytes=nbytes, kernels=kernels)
 
 

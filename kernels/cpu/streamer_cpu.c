@@ -58,6 +58,13 @@
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if SK_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SK_AMX 1 /* the compiler targets AMX (Sapphire Rapids and later); used when the kernel allows it */
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define SK_AMX 0
+#endif
 
 /* Which code path this build has: 2 AVX-512 VNNI, 1 AVX2 (+FMA, F16C), 0 portable C. */
 int sk_simd(void) { return SK_AVX512 ? 2 : (SK_AVX2 ? 1 : 0); }
@@ -448,6 +455,18 @@ static inline void store_cols(float *out, const float *v, const float *bias, int
 }
 
 #if SK_AVX512
+/* store_cols for a whole group: the same two additions a column, 16 at once. */
+static inline void store_group(float *out, __m512 v, const float *bias, int ncols, int accumulate) {
+    if (ncols < COLS) {
+        float t[COLS];
+        _mm512_storeu_ps(t, v);
+        store_cols(out, t, bias, ncols, accumulate);
+        return;
+    }
+    __m512 x = _mm512_add_ps(v, bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps());
+    _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), x) : x);
+}
+
 static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc,
                                                        float *y, int64_t ldy, int accumulate) {
     const int nb = W->k / QB, bits = W->bits, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
@@ -489,11 +508,7 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
     }
     int ncols = W->n - g * COLS < COLS ? W->n - g * COLS : COLS;
     const float *bias = W->bias ? W->bias + g * COLS : NULL;
-    for (int i = 0; i < rc; i++) {
-        float v[COLS];
-        _mm512_storeu_ps(v, acc[i]);
-        store_cols(y + (int64_t)(r0 + i) * ldy + g * COLS, v, bias, ncols, accumulate);
-    }
+    for (int i = 0; i < rc; i++) store_group(y + (int64_t)(r0 + i) * ldy + g * COLS, acc[i], bias, ncols, accumulate);
 }
 #elif SK_AVX2
 static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc,
@@ -607,11 +622,209 @@ static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, fl
     }
 }
 
+/* ---- AMX: the same GEMM, 16 rows at a time, on the tile unit --------------------------------
+ * Where the CPU has AMX (and the kernel lets this process use it), whole tiles of 16 rows run
+ * their integer block sums as tile multiply-adds: per block of 32 inputs, one tdpbsud of the 16
+ * rows' activation codes (signed) by the group's 16 columns (unsigned codes, the layout above is
+ * already the tile unit's: 4 consecutive inputs of a column in each 32-bit lane) gives the 16 x 16
+ * exact sums at once, where the vector path spends 8 vpdpbusd a row. The float epilogue is the
+ * vector path's, operation for operation (acc = fma(float(sum), d_w d_x, acc), then + m_w s_x),
+ * so a row's result is bit for bit the vector path's: the rows a step leaves over (fewer than 16)
+ * and a decode's one row take the vector path and agree with rows run here. 4-bit codes are
+ * unpacked to bytes once per group of columns into a thread's scratch and serve every row tile.
+ * Blocks go in runs of AMX_RUN: the run's sums are stored (1 KB each, still in L1), then their
+ * epilogues run. On a 2-core Sapphire Rapids-class Xeon (one thread, a 16 x 16 x 32 block): the
+ * vector path ~55-60 ns, this one ~37-45 ns (the tile unit's multiply ~5 ns, loads and store ~5 ns,
+ * the epilogue's 64 vector operations ~14 ns; in every order tried the tile unit and the vector
+ * epilogue did not overlap, so the epilogue is the bound). The model's matrices 1.4-1.6x, ingest
+ * 1.36x at 512 tokens (bench/decode.py prints both paths). */
+#if SK_AMX
+#define AMX_ROWS 16
+#define AMX_ROW_BLOCK 128 /* rows (activation codes, 128 k bytes) kept hot while a thread's groups pass */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_enabled = 1; /* sk_set_amx: 0 runs every row on the vector path (to compare; same results) */
+static atomic_int amx_state; /* 0 not asked yet, 1 granted, -1 refused by the kernel */
+
+/* Whether this process may use the tile unit (asked of the kernel once; the grant is the
+ * process's, its threads included). */
+static int amx_allowed(void) {
+    int st = atomic_load_explicit(&amx_state, memory_order_acquire);
+    if (st == 0) {
+        st = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        atomic_store_explicit(&amx_state, st, memory_order_release);
+    }
+    return st > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* Tiles 0, 1: 16 x 16 int32 sums; 2, 3: 16 rows x 32 activation codes; 4, 5: one block of a
+ * group's codes (8 rows of 4 inputs x 16 columns). */
+static void amx_configure(void) {
+    amx_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) { cfg.rows[t] = AMX_ROWS; cfg.colsb[t] = 64; }
+    for (int t = 2; t < 4; t++) { cfg.rows[t] = AMX_ROWS; cfg.colsb[t] = QB; }
+    for (int t = 4; t < 6; t++) { cfg.rows[t] = QB / 4; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* Tile loads and stores stated exactly (the compiler's own macros clobber all memory at a store,
+ * which keeps a tile's 16 accumulators in memory): a load reads what was written before the tile
+ * loop began (the unpacked codes, the activations: amx_groups puts a compiler barrier between);
+ * a store writes the one 1 KB buffer it names. */
+typedef struct { int32_t v[AMX_ROWS * 16]; } amx_sums_t;
+#define AMX_LOAD(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)))
+#define AMX_STORE(t, out) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(out)) : "r"((out)->v), "r"(64L))
+
+static void *grow(void **buf, size_t *cap, size_t need);
+static __thread uint8_t *amx_scratch;
+static __thread size_t amx_scratch_cap;
+#define AMX_RUN 8 /* blocks whose sums are stored before their epilogues run (2-16 measured alike) */
+
+/* One group's 4-bit codes as bytes, block after block (512 bytes each), in a thread's scratch
+ * (grown by amx_groups). */
+static const uint8_t *amx_unpack(const sk_qmat *W, int g) {
+    const int nb = W->k / QB, bb = block_bytes(4);
+    const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *u = base + (int64_t)b * bb;
+        uint8_t *o = amx_scratch + (size_t)b * 512;
+        prefetch_ahead(u, bb);
+        for (int c = 0; c < 4; c++) {
+            __m512i raw = _mm512_loadu_si512((const void *)(u + 64 * c));
+            _mm512_store_si512((void *)(o + 64 * c), _mm512_and_si512(raw, nib));
+            _mm512_store_si512((void *)(o + 256 + 64 * c), _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib));
+        }
+    }
+    return amx_scratch;
+}
+
+/* Block b's epilogue for the 16 rows from r0: the tile's sums (at sums) into acc. */
+static inline __attribute__((always_inline)) void amx_epilogue(const int bits, const int nb, const uint8_t *scales,
+                                                               const act_t *X, int r0, int b,
+                                                               const int32_t *sums, __m512 *acc) {
+    __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+    __m512 mw = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32))) : dw;
+    const float *d = act_d(X, r0) + b, *s = act_s(X, r0) + b;
+    const int32_t *c = act_c(X, r0) + b;
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) {
+        __m512i sum = _mm512_load_si512((const void *)(sums + 16 * i));
+        if (bits == 8) sum = _mm512_add_epi32(_mm512_set1_epi32(c[(int64_t)i * nb]), sum);
+        __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(d[(int64_t)i * nb])),
+                                   acc[i]);
+        if (bits == 4) a = _mm512_fmadd_ps(mw, _mm512_set1_ps(s[(int64_t)i * nb]), a);
+        acc[i] = a;
+    }
+}
+
+/* Rows r0 .. r0 + 15 x group g; codes: the group's blocks as bytes, `step` bytes apart. */
+static inline __attribute__((always_inline)) void amx_tile(const int bits, const sk_qmat *W, int g,
+                                                           const uint8_t *codes, const act_t *X, int r0,
+                                                           float *y, int64_t ldy, int accumulate) {
+    const int nb = W->k / QB, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
+    const int64_t step = bits == 4 ? 512 : bb; /* bytes from one block's codes to the next's */
+    const uint8_t *scales = W->data + (int64_t)g * W->group_bytes + cb;
+    const int8_t *xq = act_q(X, r0);
+    const int64_t ldx = X->k;
+    __m512 acc[AMX_ROWS];
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_setzero_ps();
+#define AMX_ISSUE(b, C, A, B)                                        \
+    do {                                                             \
+        _tile_zero(C);                                               \
+        AMX_LOAD(A, xq + (int64_t)(b) * QB, ldx);                    \
+        AMX_LOAD(B, codes + (int64_t)(b) * step, 64);                \
+        _tile_dpbsud(C, A, B);                                       \
+    } while (0)
+    /* a run's sums first (the tile unit), then its epilogues in block order (the vector units) */
+    amx_sums_t all[AMX_RUN] __attribute__((aligned(64)));
+    for (int b0 = 0; b0 < nb; b0 += AMX_RUN) {
+        int b1 = b0 + AMX_RUN < nb ? b0 + AMX_RUN : nb, b = b0;
+        for (; b + 1 < b1; b += 2) {
+            AMX_ISSUE(b, 0, 2, 4);
+            AMX_ISSUE(b + 1, 1, 3, 5);
+            AMX_STORE(0, &all[b - b0]);
+            AMX_STORE(1, &all[b + 1 - b0]);
+        }
+        if (b < b1) {
+            AMX_ISSUE(b, 0, 2, 4);
+            AMX_STORE(0, &all[b - b0]);
+        }
+        for (b = b0; b < b1; b++) amx_epilogue(bits, nb, scales + (int64_t)b * bb, X, r0, b, all[b - b0].v, acc);
+    }
+#undef AMX_ISSUE
+    int ncols = W->n - g * COLS < COLS ? W->n - g * COLS : COLS;
+    const float *bias = W->bias ? W->bias + g * COLS : NULL;
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) store_group(y + (int64_t)(r0 + i) * ldy + g * COLS, acc[i], bias, ncols, accumulate);
+}
+
+/* Rows 0 .. rows - 1 (a multiple of 16) x groups g0 .. g1 - 1 on the tile unit; returns the rows
+ * it ran (0: the vector path runs them all: AMX off, refused, or no scratch). */
+static int amx_groups(const sk_qmat *W, int g0, int g1, const act_t *X, int rows, float *y, int64_t ldy,
+                      int accumulate) {
+    rows -= rows % AMX_ROWS;
+    if (rows == 0 || !amx_enabled || !amx_allowed()) return 0;
+    if (W->bits == 4 && !grow((void **)&amx_scratch, &amx_scratch_cap, (size_t)(W->k / QB) * 512)) return 0;
+    amx_configure();
+    for (int rb = 0; rb < rows; rb += AMX_ROW_BLOCK) {
+        int re = rb + AMX_ROW_BLOCK < rows ? rb + AMX_ROW_BLOCK : rows;
+        for (int g = g0; g < g1; g++) {
+            const uint8_t *codes = W->bits == 4 ? amx_unpack(W, g) : W->data + (int64_t)g * W->group_bytes;
+            __asm__ volatile("" ::: "memory"); /* the codes are in memory before the tile loads read them */
+            for (int r = rb; r < re; r += AMX_ROWS) {
+                if (W->bits == 4) amx_tile(4, W, g, codes, X, r, y, ldy, accumulate);
+                else amx_tile(8, W, g, codes, X, r, y, ldy, accumulate);
+            }
+        }
+    }
+    _tile_release();
+    return rows;
+}
+#endif
+
+/* 1 where full tiles of 16 rows run on AMX, 0 where every row takes the vector path (no AMX in
+ * this build or CPU, the kernel refused it, or sk_set_amx(0)). */
+int sk_amx(void) {
+#if SK_AMX
+    return amx_enabled && amx_allowed();
+#else
+    return 0;
+#endif
+}
+
+/* Turn the AMX path on or off (results are the same either way); returns sk_amx(). */
+int sk_set_amx(int on) {
+#if SK_AMX
+    pthread_mutex_lock(&api_lock); /* not in the middle of a call */
+    amx_enabled = on != 0;
+    pthread_mutex_unlock(&api_lock);
+#else
+    (void)on;
+#endif
+    return sk_amx();
+}
+
 #define ROW_BLOCK (64 / MR * MR) /* rows kept hot while a thread's columns pass over them (whole tiles) */
 
 static void gemm_groups(const sk_qmat *W, int g0, int g1, const act_t *X, int rows, float *y, int64_t ldy,
                         int accumulate) {
-    for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
+    int first = 0; /* rows before it ran on the tile unit */
+#if SK_AMX
+    first = amx_groups(W, g0, g1, X, rows, y, ldy, accumulate);
+#endif
+    for (int rb = first; rb < rows; rb += ROW_BLOCK) {
         int re = rb + ROW_BLOCK < rows ? rb + ROW_BLOCK : rows;
         for (int g = g0; g < g1; g++)
             for (int r = rb; r < re; r += MR) tile_any(W, g, X, r, re - r < MR ? re - r : MR, y, ldy, accumulate);
@@ -1168,6 +1381,22 @@ static inline int visible_keys(const scratch_t *t, int nq, int c0, int count, in
     return most;
 }
 
+/* The SIMD attention asks for its keys and values ahead of use. On a 2-core Zen 2 (AVX2) a
+ * decode step's attention ran at ~6 GB/s a thread, latency-bound (one core streams ~16 GB/s):
+ * keys 16 KB ahead, values 4 KB ahead while the scores run and 8 KB ahead in the first value
+ * pass took a 4K decode step from 12.2 to 11.1 ms (bench/decode.py, in-process A/B) and the
+ * attention alone 1.6x on one thread. On a 2-core Sapphire Rapids-class Xeon (AVX-512), keys 16 KB
+ * and values 8 KB ahead: 4K decode 10.9 -> 9.7 ms, 512 5.3 -> 4.7 (in-process A/B, medians of 4),
+ * ingest unchanged (on a Zen 5 the same gave no consistent gain). Results unchanged. */
+#define ATT_K_AHEAD (16 << 10)
+#define ATT_V_AHEAD (8 << 10)
+
+/* Ask for both lines of a 64-dim fp16 row `ahead` bytes past p. */
+static inline void prefetch_row(const uint16_t *p, int64_t ahead) {
+    prefetch_at(p, ahead);
+    prefetch_at(p + 32, ahead);
+}
+
 #if SK_AVX512
 /* chunk_parts for head_dim 64 and an fp16 cache: keys and values are read once, straight from
  * the cache; each converted key serves every query; scores are reduced four keys at a time. */
@@ -1183,6 +1412,7 @@ static inline __attribute__((always_inline)) void pv(const float *p, float *cons
         const uint16_t *V = (const uint16_t *)seg[r].v;
         int n = most - j0 < seg[r].count ? most - j0 : seg[r].count;
         for (int j = 0; j < n; j++) {
+            prefetch_row(V + (int64_t)j * 64, ATT_V_AHEAD);
             __m512 v[4];
             for (int c = 0; c < 4; c++) v[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(V + (int64_t)j * 64 + 16 * c)));
             for (int q = 0; q < gn; q++) {
@@ -1213,6 +1443,7 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
         const uint16_t *K = (const uint16_t *)seg[r].k;
         int n = most - j0 < seg[r].count ? most - j0 : seg[r].count;
         for (int j = 0; j < n; j += 4) {
+            for (int u = 0; u < 4; u++) prefetch_row(K + (int64_t)(j + u) * 64, ATT_K_AHEAD);
             __m512 k[4][4];
             for (int u = 0; u < 4; u++)
                 for (int p = 0; p < 4; p++)
@@ -1268,15 +1499,7 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
 #endif
 
 #if SK_AVX2
-/* The 8-lane attention asks for its keys and values ahead of use: on a 2-core Zen 2 (AVX2) a
- * decode step's attention ran at ~6 GB/s a thread, latency-bound (one core streams ~16 GB/s);
- * keys 16 KB ahead, values 4 KB ahead while the scores run and 8 KB ahead in the first value
- * pass took a 4K decode step from 12.2 to 11.1 ms (bench/decode.py, in-process A/B) and the
- * attention alone 1.6x on one thread. (On a Zen 5 with AVX-512, prefetching in its own
- * attention path gave no consistent gain, so that path has none.) Results unchanged. */
-#define ATT_K_AHEAD (16 << 10)
 #define ATT_V_AHEAD_SCORES (4 << 10)
-#define ATT_V_AHEAD (8 << 10)
 
 /* chunk_parts for head_dim 64 and an fp16 cache on 8-lane vectors: keys are converted four at a
  * time into a buffer in L1 that serves every query (the generic path converted the whole chunk's

@@ -14,6 +14,7 @@
   same arithmetic and keeps these properties; a missing compiler is a clear error.
 """
 
+import os
 import time
 
 import pytest
@@ -82,7 +83,7 @@ def test_the_linear_kernel_computes_its_arithmetic(bits, n, k, path):
     else:
         codes, d, m = quantize_q4_1(w)
     matrix = QuantMatrix.pack(bits, codes, d, m, bias)
-    x = torch.randn(7, k) * 3
+    x = torch.randn(40, k) * 3  # on AMX: two tiles of 16 rows and 8 rows on the vector path
     got = linear_with(lib, matrix, x)
     want = reference_linear(x, bits, codes, d, m, bias)
     assert (got - want).abs().max().item() <= 2e-6 * max(1.0, want.abs().max().item())
@@ -109,6 +110,38 @@ def test_a_row_never_depends_on_the_others_or_the_threads(path):
                 assert torch.equal(linear_with(lib, matrix, x), full)
         finally:
             lib.set_threads(threads)
+
+
+def test_amx_tiles_give_the_vector_path_s_bits():
+    """Where the CPU has AMX, tiles of 16 rows run their block sums on the tile unit and the vector
+    path's float epilogue: every row, whatever the number of rows (whole tiles, rows left over, past
+    a row block of 128), equals the vector path's bit for bit, 4- and 8-bit, partial groups and
+    biases; sk_set_amx(0) turns it off."""
+    lib = ck.load()
+    if not lib.amx():
+        pytest.skip("no AMX here (a CPU before Sapphire Rapids, or the kernel refused it)")
+    torch.manual_seed(5)
+    try:
+        for bits in (4, 8):
+            for n, k, bias in ((200, 576, True), (36, 1536, False), (16, 32, True)):
+                matrix = quantize([torch.nn.Linear(k, n, bias=bias)], bits)
+                for rows in (16, 17, 47, 130, 300):
+                    x = torch.randn(rows, k) * 3
+                    assert lib.set_amx(True) and lib.amx()
+                    tiles = linear_with(lib, matrix, x)
+                    assert not lib.set_amx(False) and not lib.amx()
+                    assert torch.equal(tiles, linear_with(lib, matrix, x)), (bits, n, k, rows)
+    finally:
+        lib.set_amx(True)
+
+
+def test_streamer_amx_0_keeps_every_row_on_the_vector_path():
+    import subprocess
+    import sys
+    code = "from streamer.kernels import cpu; print(cpu.load().amx())"
+    got = subprocess.run([sys.executable, "-c", code], env={**os.environ, "STREAMER_AMX": "0"}, capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == "False", got.stderr
 
 
 def test_views_of_a_fused_matrix_are_its_rows():
