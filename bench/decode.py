@@ -6,7 +6,10 @@ For each context size (default 512 and 4096 tokens of the bundled log, framed as
     is asked as a fork on the live cache: time to an 8-token and a 64-token answer, and decode
     ms/token over the 64-token answer;
   - llama.cpp (`llama-cpp-python`, optional: `pip install llama-cpp-python` builds it from
-    source; never a test dependency; bench/baselines.py LlamaCpp) on the same GGUF file, the
+    source; never a test dependency; bench/baselines.py LlamaCpp; on a CPU with AMX its native
+    build, 0.3.36, segfaulted at the first evaluation: build it with `CMAKE_ARGS="-DGGML_NATIVE=OFF
+    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+    -DGGML_F16C=ON -DGGML_AMX_INT8=OFF"`, as bench/build_llama_server.sh does) on the same GGUF file, the
     same token ids (framing, context, framed question), greedy: the context is evaluated once,
     then each answer reuses it (its longest common prefix, never past the context: every round
     asks the same question, which is evaluated again each time, as ours forks it) and evaluates
@@ -32,6 +35,11 @@ The thread governor (kernels/governor.py) reads llama.cpp's rounds, which altern
 as a neighbour's load, and gives our next decode one thread: measured on a 2-core AVX-512 Xeon,
 ours decoded at 7.8 ms/token at 512 beside llama.cpp and 3.7 ms alone. For the side by side,
 `STREAMER_ADAPTIVE_THREADS=0` (4.5 ms there; then `--hog` shows ours without the governor).
+
+Where the CPU has AMX (Sapphire Rapids and later), our int4 ingest is then timed again on both
+kernel paths in alternating rounds: every row on the AVX-512 VNNI vector path (the kernels
+before the AMX tiles; `STREAMER_AMX=0`) and tiles of 16 rows on AMX (the default); RESULT adds
+`ingest_vector_tok_s` and `ingest_amx_vs_vector`.
 
 `--hog`: then, at the smallest size, ingest and decode tokens/s of ours (int4) and llama.cpp's
 in alternating rounds, with the machine as it is and with one core taken by a busy process (a
@@ -62,6 +70,7 @@ from importlib import resources
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from streamer.kernels import cpu
 from streamer.sessions.jobs import PrefillJob, drive
 from streamer.sessions.models import embedded_gguf_path
 from streamer.sessions.query import QueryJob
@@ -125,13 +134,18 @@ class Ours:
         self.contexts: dict[int, list[int]] = {}  # the ids each session's cache holds
         self.ingest: dict[int, float] = {}
 
-    def prepare(self, size: int) -> list[int]:
+    def read(self, size: int) -> tuple[Session, list[int], float]:
+        """A new session that has read `size` tokens (the framing, then the log in steps of
+        STEP_TOKENS): the session, the log's ids, and tokens/s over the log."""
         session = Session(f"{self.fmt}-{size}", self.runner)
         drive(self.runner, PrefillJob(session, session.prefix_ids, None), STEP_TOKENS)
         body = log_tokens(session, size - len(session.prefix_ids))
         started = time.perf_counter()
         drive(self.runner, PrefillJob(session, body, None), STEP_TOKENS)
-        self.ingest[size] = len(body) / (time.perf_counter() - started)
+        return session, body, len(body) / (time.perf_counter() - started)
+
+    def prepare(self, size: int) -> list[int]:
+        session, body, self.ingest[size] = self.read(size)
         self.sessions[size] = session
         # the ids in its cache (the body is read as the framing is, not logged as an input, so
         # session.context_ids() would hold the framing only): llama.cpp is given the same context
@@ -160,6 +174,34 @@ class Ours:
             nll -= float(logp.gather(1, targets[:, None]).sum())
             count += len(targets)
         return math.exp(nll / count)
+
+
+def ingest_paths(ours: Ours, sizes: list[int], reps: int) -> dict[str, float]:
+    """Where the CPU has AMX: our int4 ingest with every row on the vector path (AVX-512 VNNI, the
+    kernels before the AMX tiles) and with tiles of 16 rows on AMX, in alternating rounds; prints
+    both and returns RESULT entries (`ingest_vector_tok_s`, `ingest_amx_vs_vector`: medians over
+    sizes)."""
+    lib = cpu.load()
+    if not lib.amx():
+        print("\ningest kernels: no AMX here (the vector path is the only one)")
+        return {}
+    rates: dict[tuple[bool, int], list[float]] = {}
+    try:
+        for _ in range(reps):
+            for amx in (False, True):
+                lib.set_amx(amx)
+                for size in sizes:
+                    rates.setdefault((amx, size), []).append(ours.read(size)[2])
+    finally:
+        lib.set_amx(True)
+    med = {key: statistics.median(v) for key, v in rates.items()}
+    print(f"\ningest tokens/s, ours-{ours.fmt}, the same rows on both kernel paths (medians of {reps}, alternating):")
+    print(f"{'context':>8} {'vector':>8} {'amx':>8} {'amx/vector':>11}")
+    for size in sizes:
+        print(f"{size:>8} {med[(False, size)]:>8.0f} {med[(True, size)]:>8.0f} "
+              f"{med[(True, size)] / med[(False, size)]:>10.2f}x")
+    return {"ingest_vector_tok_s": statistics.median(med[(False, s)] for s in sizes),
+            "ingest_amx_vs_vector": statistics.median(med[(True, s)] / med[(False, s)] for s in sizes)}
 
 
 def contention(ours: Ours, llama, size: int, reps: int) -> dict[str, float]:
@@ -337,6 +379,8 @@ def main() -> None:
     if "fp32" in formats and best != "fp32":
         ratios["int4_vs_fp32_decode"] = statistics.median(
             med[("ours-fp32", s)]["decode"] / med[(f"ours-{best}", s)]["decode"] for s in sizes)
+    if best == "int4":
+        ratios.update(ingest_paths(ours[best], sizes, args.reps))
     if args.hog:
         ratios.update(contention(ours[best], llama, small, args.reps))
     if args.ppl_tokens:
@@ -349,7 +393,7 @@ def main() -> None:
     keys = ["decode512_vs_llama", "decode4k_vs_llama", "answer8_llama_vs_ours", "answer64_min_llama_vs_ours",
             "ingest_vs_llama", "int4_vs_fp32_decode", "decode512_of_limit", "decode4k_of_limit", "ingest_tok_s",
             "stream_gb_s"]
-    keys += [k for k in ratios if k not in keys]  # --hog's
+    keys += [k for k in ratios if k not in keys]  # the kernel paths' and --hog's
     print("RESULT " + " ".join(f"{k}={ratios[k]:.2f}" if k in ratios else f"{k}=n/a" for k in keys))
 
 

@@ -22,7 +22,8 @@
  * bit for bit the same alone or batched, and a replayed session equals the original.
  *
  * Built at first use by kernels/cpu.py (gcc -O3 -march=native); AVX-512 VNNI where the CPU
- * has it, portable C elsewhere.
+ * has it (and AMX tiles for the GEMM's rows 16 at a time where it also has those), AVX2,
+ * portable C elsewhere.
  *
  * State: a caller's buffers and step timings live in an sk_ctx it creates (sk_ctx_new) and
  * passes to every call. The one process-wide state is the thread pool (POOL, its workers'
@@ -631,7 +632,7 @@ static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, fl
  * vector path's, operation for operation (acc = fma(float(sum), d_w d_x, acc), then + m_w s_x),
  * so a row's result is bit for bit the vector path's: the rows a step leaves over (fewer than 16)
  * and a decode's one row take the vector path and agree with rows run here. 4-bit codes are
- * unpacked to bytes once per group of columns into a thread's scratch and serve every row tile.
+ * unpacked to bytes into a thread's scratch once per group and row block (AMX_ROW_BLOCK rows).
  * Blocks go in runs of AMX_RUN: the run's sums are stored (1 KB each, still in L1), then their
  * epilogues run. On a 2-core Sapphire Rapids-class Xeon (one thread, a 16 x 16 x 32 block): the
  * vector path ~55-60 ns, this one ~37-45 ns (the tile unit's multiply ~5 ns, loads and store ~5 ns,
