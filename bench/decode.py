@@ -71,6 +71,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from streamer.kernels import cpu
+from streamer.kernels.governor import GOVERNOR
 from streamer.sessions.jobs import PrefillJob, drive
 from streamer.sessions.models import embedded_gguf_path
 from streamer.sessions.query import QueryJob
@@ -186,14 +187,17 @@ def ingest_paths(ours: Ours, sizes: list[int], reps: int) -> dict[str, float]:
         print("\ningest kernels: no AMX here (the vector path is the only one)")
         return {}
     rates: dict[tuple[bool, int], list[float]] = {}
-    try:
-        for _ in range(reps):
-            for amx in (False, True):
-                lib.set_amx(amx)
-                for size in sizes:
-                    rates.setdefault((amx, size), []).append(ours.read(size)[2])
-    finally:
-        lib.set_amx(True)
+    # all the threads in every round: the thread governor would read llama.cpp's rounds just
+    # before as a neighbour's load and give the first rounds fewer
+    with GOVERNOR.fixed():
+        try:
+            for _ in range(reps):
+                for amx in (False, True):
+                    lib.set_amx(amx)
+                    for size in sizes:
+                        rates.setdefault((amx, size), []).append(ours.read(size)[2])
+        finally:
+            lib.set_amx(True)
     med = {key: statistics.median(v) for key, v in rates.items()}
     print(f"\ningest tokens/s, ours-{ours.fmt}, the same rows on both kernel paths (medians of {reps}, alternating):")
     print(f"{'context':>8} {'vector':>8} {'amx':>8} {'amx/vector':>11}")
