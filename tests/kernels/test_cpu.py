@@ -15,6 +15,8 @@
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -114,9 +116,9 @@ def test_a_row_never_depends_on_the_others_or_the_threads(path):
 
 def test_amx_tiles_give_the_vector_path_s_bits():
     """Where the CPU has AMX, tiles of 16 rows run their block sums on the tile unit and the vector
-    path's float epilogue: every row, whatever the number of rows (whole tiles, rows left over, past
-    a row block of 128), equals the vector path's bit for bit, 4- and 8-bit, partial groups and
-    biases; sk_set_amx(0) turns it off."""
+    path's float epilogue: every row, whatever the number of rows (whole tiles, rows left over,
+    several row blocks of 32), equals the vector path's bit for bit, 4- and 8-bit, partial groups
+    and biases; sk_set_amx(0) turns it off."""
     lib = ck.load()
     if not lib.amx():
         pytest.skip("no AMX here (a CPU before Sapphire Rapids, or the kernel refused it)")
@@ -136,8 +138,6 @@ def test_amx_tiles_give_the_vector_path_s_bits():
 
 
 def test_streamer_amx_0_keeps_every_row_on_the_vector_path():
-    import subprocess
-    import sys
     code = "from streamer.kernels import cpu; print(cpu.load().amx())"
     got = subprocess.run([sys.executable, "-c", code], env={**os.environ, "STREAMER_AMX": "0"}, capture_output=True,
                          text=True, timeout=120)
