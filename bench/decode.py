@@ -7,9 +7,8 @@ For each context size (default 512 and 4096 tokens of the bundled log, framed as
     ms/token over the 64-token answer;
   - llama.cpp (`llama-cpp-python`, optional: `pip install llama-cpp-python` builds it from
     source; never a test dependency; bench/baselines.py LlamaCpp; on a CPU with AMX its native
-    build, 0.3.36, segfaulted at the first evaluation: build it with `CMAKE_ARGS="-DGGML_NATIVE=OFF
-    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON -DGGML_FMA=ON
-    -DGGML_F16C=ON -DGGML_AMX_INT8=OFF"`, as bench/build_llama_server.sh does) on the same GGUF file, the
+    build, 0.3.36, segfaulted at the first evaluation: give `CMAKE_ARGS` the flags that
+    bench/build_llama_server.sh uses on such a CPU, AVX-512 on and AMX off) on the same GGUF file, the
     same token ids (framing, context, framed question), greedy: the context is evaluated once,
     then each answer reuses it (its longest common prefix, never past the context: every round
     asks the same question, which is evaluated again each time, as ours forks it) and evaluates
