@@ -964,6 +964,23 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* reduce4 for 16 vectors at once: lane i of the result is the sum of x[i], pairing the lanes
+ * exactly as reduce4 does (y_l = v_l + v_(l+8), then adjacent pairs, twice, then the halves), so
+ * every sum is bit for bit reduce4's; 45 operations for 16 sums where reduce4 takes ~19 for 4. */
+static inline __m512 reduce16(const __m512 *x) {
+    static const int order[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15}; /* lane of A_k below */
+    __m512 y[8], z[4], w[2];
+    for (int m = 0; m < 8; m++) {
+        __m512 a = x[order[2 * m]], b = x[order[2 * m + 1]];
+        y[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int m = 0; m < 4; m++)
+        z[m] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * m], y[2 * m + 1], 0x88), _mm512_shuffle_ps(y[2 * m], y[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; m++)
+        w[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0x88), _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
 /* The sum of a vector's 16 lanes in reduce4's order: with y_i = v_i + v_(i+8),
  * ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)). */
 static inline float sum16(__m512 v) {
@@ -1401,7 +1418,10 @@ static inline void prefetch_row(const uint16_t *p, int64_t ahead) {
 
 #if SK_AVX512
 /* chunk_parts for head_dim 64 and an fp16 cache: keys and values are read once, straight from
- * the cache; each converted key serves every query; scores are reduced four keys at a time. */
+ * the cache; each converted key serves every query; scores are reduced four keys at a time, four
+ * queries together (reduce16: 4 x 4 sums in ~45 operations where four reduce4 take ~80; ingest
+ * +7% / +12% at 512 / 4K on a 2-core Sapphire Rapids-class Xeon, in-process A/B), the queries a
+ * group leaves over (a decode row's 3) one at a time by reduce4: the same sums either way. */
 #define PV_GROUP 6
 /* acc[q] = sum_j p[q][j] v_j over the chunk's first `most` values of one head (fp16 rows of
  * 64, in runs), key by key in order, into dst[q] + 2. */
@@ -1451,7 +1471,27 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
                 for (int p = 0; p < 4; p++)
                     k[u][p] = j + u < n ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(K + (int64_t)(j + u) * 64 + 16 * p)))
                                         : _mm512_setzero_ps();
-            for (int q = 0; q < nq; q++) {
+            __mmask8 keep = n - j >= 4 ? 0xF : (__mmask8)((1u << (n - j)) - 1); /* the keys that exist */
+            int q = 0;
+            for (; q + 4 <= nq; q += 4) { /* four queries x four keys, reduced together */
+                __m512 a[16];
+                for (int e = 0; e < 4; e++) {
+                    const float *qv = t->qs[q + e];
+                    for (int u = 0; u < 4; u++) {
+                        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qv), k[u][0]);
+                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16), k[u][1], x);
+                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 32), k[u][2], x);
+                        a[4 * e + u] = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 48), k[u][3], x);
+                    }
+                }
+                __m512 r = reduce16(a);
+                float *row = s + (size_t)q * CHUNK + j0 + j;
+                _mm_mask_storeu_ps(row, keep, _mm512_castps512_ps128(r));
+                _mm_mask_storeu_ps(row + CHUNK, keep, _mm512_extractf32x4_ps(r, 1));
+                _mm_mask_storeu_ps(row + 2 * CHUNK, keep, _mm512_extractf32x4_ps(r, 2));
+                _mm_mask_storeu_ps(row + 3 * CHUNK, keep, _mm512_extractf32x4_ps(r, 3));
+            }
+            for (; q < nq; q++) {
                 const float *qv = t->qs[q];
                 __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
                        q3 = _mm512_loadu_ps(qv + 48), a[4];
@@ -1461,9 +1501,7 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
                     x = _mm512_fmadd_ps(q2, k[u][2], x);
                     a[u] = _mm512_fmadd_ps(q3, k[u][3], x);
                 }
-                float four[4];
-                _mm_storeu_ps(four, reduce4(a[0], a[1], a[2], a[3]));
-                for (int u = 0; u < 4 && j + u < n; u++) s[(size_t)q * CHUNK + j0 + j + u] = four[u];
+                _mm_mask_storeu_ps(s + (size_t)q * CHUNK + j0 + j, keep, reduce4(a[0], a[1], a[2], a[3]));
             }
         }
     }

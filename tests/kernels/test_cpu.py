@@ -264,12 +264,16 @@ def test_a_sequence_reads_the_same_alone_or_batched(tokenizer, path):
 
 
 @pytest.mark.parametrize("path", ["native", "avx2"])
-def test_a_sequence_reads_the_same_in_one_step_or_row_by_row(tokenizer, path):
+@pytest.mark.parametrize("heads", [4, 3])
+def test_a_sequence_reads_the_same_in_one_step_or_row_by_row(tokenizer, path, heads):
     """Logits and cache bit for bit, head_dim 64 on the fp16 cache (the SIMD attention): the rows
     of a long step are computed in tiles of 16 that merge their chunks inline, a row read alone
     as a short sequence whose chunks (a whole 1,024 and a tail) are separate tasks; the same
-    operations either way, so replay in other step sizes equals the original."""
-    native, _ = tiny_runners(tokenizer, torch.float16, seed=24, path=path, hidden=256, heads=4, kv_heads=1)
+    operations either way, so replay in other step sizes equals the original. Three query heads
+    a kv head (the embedded model's grouping): a tile's 48 queries take the AVX-512 scores four
+    queries at a time (reduce16), a row alone its 3 one at a time (reduce4): the same sums."""
+    native, _ = tiny_runners(tokenizer, torch.float16, seed=24, path=path, hidden=64 * heads, heads=heads,
+                             kv_heads=1)
     ids = ids_of(1100, 6)
     whole = native.new_cache(1200)
     one_step = native.forward([SeqStep(whole, 0, ids)], logits="all")[0]
