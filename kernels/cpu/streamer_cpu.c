@@ -636,8 +636,9 @@ static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, fl
  * exact sums at once, where the vector path spends 8 vpdpbusd a row. The float epilogue is the
  * vector path's, operation for operation (acc = fma(float(sum), d_w d_x, acc), then + m_w s_x),
  * so a row's result is bit for bit the vector path's: the rows a step leaves over (fewer than 16)
- * and a decode's one row take the vector path and agree with rows run here. 4-bit codes are
- * unpacked to bytes into a thread's scratch once per group and row block (AMX_ROW_BLOCK rows).
+ * and a decode's one row take the vector path and agree with rows run here. A thread's groups go
+ * in chunks of up to AMX_CHUNK_BYTES of codes (4-bit codes unpacked to bytes into a thread's
+ * scratch once per call), each chunk passing over the rows in blocks of AMX_ROW_BLOCK.
  * Blocks go in runs of AMX_RUN: the run's sums are stored (1 KB each, still in L1), then their
  * epilogues run. On a 2-core Sapphire Rapids-class Xeon (one thread, a 16 x 16 x 32 block): the
  * vector path ~55-60 ns, this one ~37-45 ns (the tile unit's multiply ~5 ns, loads and store ~5 ns,
@@ -646,8 +647,12 @@ static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, fl
  * 1.36x at 512 tokens (bench/decode.py prints both paths). */
 #if SK_AMX
 #define AMX_ROWS 16
-#define AMX_ROW_BLOCK 32 /* rows kept hot (their codes in L1) while a thread's groups pass: ingest 5-7% faster than
+#define AMX_ROW_BLOCK 32 /* rows kept hot (their codes in L1) while a chunk's groups pass: ingest 5-7% faster than
                             128 in the engine (16: 2-5% slower; 48: the same) */
+#define AMX_CHUNK_BYTES (512 << 10) /* a chunk's codes, kept in L2 while the row blocks pass: each 4-bit group
+                                       unpacked once a call, not once a row block (512-token ingest +8-10%,
+                                       4K +3% on a 2-core Sapphire Rapids-class Xeon, in-process A/B; 128 and
+                                       256 KB a little less, 1 MB the same) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -697,15 +702,15 @@ static __thread uint8_t *amx_scratch;
 static __thread size_t amx_scratch_cap;
 #define AMX_RUN 8 /* blocks whose sums are stored before their epilogues run (2-16 measured alike) */
 
-/* One group's 4-bit codes as bytes, block after block (512 bytes each), in a thread's scratch
- * (grown by amx_groups). */
-static const uint8_t *amx_unpack(const sk_qmat *W, int g) {
+/* One group's 4-bit codes as bytes, block after block (512 bytes each), at dst (a thread's
+ * scratch, grown by amx_groups). */
+static void amx_unpack(const sk_qmat *W, int g, uint8_t *dst) {
     const int nb = W->k / QB, bb = block_bytes(4);
     const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
     const __m512i nib = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = base + (int64_t)b * bb;
-        uint8_t *o = amx_scratch + (size_t)b * 512;
+        uint8_t *o = dst + (size_t)b * 512;
         prefetch_ahead(u, bb);
         for (int c = 0; c < 4; c++) {
             __m512i raw = _mm512_loadu_si512((const void *)(u + 64 * c));
@@ -713,7 +718,6 @@ static const uint8_t *amx_unpack(const sk_qmat *W, int g) {
             _mm512_store_si512((void *)(o + 256 + 64 * c), _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib));
         }
     }
-    return amx_scratch;
 }
 
 /* Block b's epilogue for the 16 rows from r0: the tile's sums (at sums) into acc. */
@@ -783,17 +787,23 @@ static int amx_groups(const sk_qmat *W, int g0, int g1, const act_t *X, int rows
                       int accumulate) {
     rows -= rows % AMX_ROWS;
     if (rows == 0 || !amx_enabled || !amx_allowed()) return 0;
-    if (W->bits == 4 && !grow((void **)&amx_scratch, &amx_scratch_cap, (size_t)(W->k / QB) * 512)) return 0;
+    const size_t gbytes = (size_t)(W->k / QB) * 512; /* a group's codes as bytes */
+    int chunk = (int)(AMX_CHUNK_BYTES / gbytes);     /* groups a chunk */
+    chunk = chunk < 1 ? 1 : chunk;
+    if (W->bits == 4 && !grow((void **)&amx_scratch, &amx_scratch_cap, gbytes * chunk)) return 0;
     amx_configure();
-    for (int rb = 0; rb < rows; rb += AMX_ROW_BLOCK) {
-        int re = rb + AMX_ROW_BLOCK < rows ? rb + AMX_ROW_BLOCK : rows;
-        for (int g = g0; g < g1; g++) {
-            const uint8_t *codes = W->bits == 4 ? amx_unpack(W, g) : W->data + (int64_t)g * W->group_bytes;
-            __asm__ volatile("" ::: "memory"); /* the codes are in memory before the tile loads read them */
-            for (int r = rb; r < re; r += AMX_ROWS) {
-                if (W->bits == 4) amx_tile(4, W, g, codes, X, r, y, ldy, accumulate);
-                else amx_tile(8, W, g, codes, X, r, y, ldy, accumulate);
-            }
+    for (int gc = g0; gc < g1; gc += chunk) {
+        int ge = gc + chunk < g1 ? gc + chunk : g1;
+        if (W->bits == 4)
+            for (int g = gc; g < ge; g++) amx_unpack(W, g, amx_scratch + (size_t)(g - gc) * gbytes);
+        __asm__ volatile("" ::: "memory"); /* the codes are in memory before the tile loads read them */
+        for (int rb = 0; rb < rows; rb += AMX_ROW_BLOCK) {
+            int re = rb + AMX_ROW_BLOCK < rows ? rb + AMX_ROW_BLOCK : rows;
+            for (int g = gc; g < ge; g++)
+                for (int r = rb; r < re; r += AMX_ROWS) {
+                    if (W->bits == 4) amx_tile(4, W, g, amx_scratch + (size_t)(g - gc) * gbytes, X, r, y, ldy, accumulate);
+                    else amx_tile(8, W, g, W->data + (int64_t)g * W->group_bytes, X, r, y, ldy, accumulate);
+                }
         }
     }
     _tile_release();

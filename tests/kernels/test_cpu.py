@@ -118,14 +118,15 @@ def test_amx_tiles_give_the_vector_path_s_bits():
     """Where the CPU has AMX, tiles of 16 rows run their block sums on the tile unit and the vector
     path's float epilogue: every row, whatever the number of rows (whole tiles, rows left over,
     several row blocks of 32), equals the vector path's bit for bit, 4- and 8-bit, partial groups
-    and biases; sk_set_amx(0) turns it off."""
+    and biases, a thread's groups in one chunk of codes or several (k = 4096: 8 groups a chunk);
+    sk_set_amx(0) turns it off."""
     lib = ck.load()
     if not lib.amx():
         pytest.skip("no AMX here (a CPU before Sapphire Rapids, or the kernel refused it)")
     torch.manual_seed(5)
     try:
         for bits in (4, 8):
-            for n, k, bias in ((200, 576, True), (36, 1536, False), (16, 32, True)):
+            for n, k, bias in ((200, 576, True), (36, 1536, False), (16, 32, True), (600, 4096, False)):
                 matrix = quantize([torch.nn.Linear(k, n, bias=bias)], bits)
                 for rows in (16, 17, 47, 130, 300):
                     x = torch.randn(rows, k) * 3
