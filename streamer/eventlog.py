@@ -302,10 +302,15 @@ class Checkpointer:
 
     A checkpoint is taken under the session's log lock, so it holds exactly what the records
     before it applied; a session still reading its backlog, or writing a note, is tried again
-    a little later (the lock is let go meanwhile: inputs go on being logged)."""
+    a little later (the lock is let go meanwhile: inputs go on being logged). A feed that keeps
+    the engine behind would put the checkpoint off for as long as it lasts (the log growing the
+    while), so after HOLD_AFTER tries the lock is kept while the engine reads what it has: the
+    session's next inputs wait (their acks come later), at most HOLD_S, once a checkpoint."""
 
     RETRY_S = 0.02
     TRIES = 250
+    HOLD_AFTER = 25  # tries (~0.5 s) with the lock let go between them
+    HOLD_S = 2.0  # then the most a checkpoint keeps the session's inputs waiting
 
     def __init__(self, engine, events: "EventLog", every: int = DEFAULT_CHECKPOINT_RECORDS,
                  min_records: int = DEFAULT_CHECKPOINT_MIN_RECORDS) -> None:
@@ -339,13 +344,21 @@ class Checkpointer:
         True when one was written."""
         from streamer.sessions.checkpoint import capture
 
-        for _ in range(self.TRIES):
+        def attempt():
+            return asyncio.wrap_future(self.engine.call(lambda: capture(self.engine.core, sid), session_id=sid))
+
+        loop = asyncio.get_running_loop()
+        for tried in range(self.TRIES):
             async with pipe.lock:
                 if pipe.closed or pipe.pending is not None or pipe.since_checkpoint == 0:
                     return False
                 try:
-                    got = await asyncio.wrap_future(self.engine.call(lambda: capture(self.engine.core, sid),
-                                                                     session_id=sid))
+                    got = await attempt()
+                    if got is None and tried == self.HOLD_AFTER:  # hold the inputs while the engine catches up
+                        until = loop.time() + self.HOLD_S
+                        while got is None and loop.time() < until and not pipe.closed:
+                            await asyncio.sleep(self.RETRY_S)
+                            got = await attempt()
                     if got is not None:
                         await self._write(sid, pipe, *got)
                         return True
