@@ -1477,6 +1477,15 @@ static void pv_any(const float *p, float *const *dst, int gn, const seg_t *seg, 
     }
 }
 
+/* A 64-dim query times a converted key, lane by lane over its four 16-lane quarters (one chain:
+ * mul, then three FMAs): what reduce4 and reduce16 sum into a score. */
+static inline __m512 lane_products(const float *qv, const __m512 *k) {
+    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qv), k[0]);
+    x = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16), k[1], x);
+    x = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 32), k[2], x);
+    return _mm512_fmadd_ps(_mm512_loadu_ps(qv + 48), k[3], x);
+}
+
 static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, int c0, int count) {
     int vis[MAX_Q], most = visible_keys(t, nq, c0, count, vis);
     float *s = t->s;
@@ -1497,12 +1506,7 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
                 __m512 a[16];
                 for (int e = 0; e < 4; e++) {
                     const float *qv = t->qs[q + e];
-                    for (int u = 0; u < 4; u++) {
-                        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qv), k[u][0]);
-                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16), k[u][1], x);
-                        x = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 32), k[u][2], x);
-                        a[4 * e + u] = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 48), k[u][3], x);
-                    }
+                    for (int u = 0; u < 4; u++) a[4 * e + u] = lane_products(qv, k[u]);
                 }
                 __m512 r = reduce16(a);
                 float *row = s + (size_t)q * CHUNK + j0 + j;
@@ -1513,14 +1517,8 @@ static void chunk_parts_h64(scratch_t *t, int nq, const seg_t *seg, int nseg, in
             }
             for (; q < nq; q++) {
                 const float *qv = t->qs[q];
-                __m512 q0 = _mm512_loadu_ps(qv), q1 = _mm512_loadu_ps(qv + 16), q2 = _mm512_loadu_ps(qv + 32),
-                       q3 = _mm512_loadu_ps(qv + 48), a[4];
-                for (int u = 0; u < 4; u++) {
-                    __m512 x = _mm512_mul_ps(q0, k[u][0]);
-                    x = _mm512_fmadd_ps(q1, k[u][1], x);
-                    x = _mm512_fmadd_ps(q2, k[u][2], x);
-                    a[u] = _mm512_fmadd_ps(q3, k[u][3], x);
-                }
+                __m512 a[4];
+                for (int u = 0; u < 4; u++) a[u] = lane_products(qv, k[u]);
                 _mm_mask_storeu_ps(s + (size_t)q * CHUNK + j0 + j, keep, reduce4(a[0], a[1], a[2], a[3]));
             }
         }
