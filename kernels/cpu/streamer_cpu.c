@@ -300,8 +300,18 @@ static inline void prefetch_l2(const void *p, int64_t ahead) {
     __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 2);
 }
 
-/* Ask for the bytes PREFETCH_AHEAD past a block of `bb` bytes at u (the block read later). */
-static inline void prefetch_ahead(const uint8_t *u, int bb) {
+/* Ask for the bytes PREFETCH_AHEAD past a block of `bb` bytes at u (the block read later); `once`:
+ * the call reads these weights once (a step of a few rows), so they are asked for as non-temporal
+ * (prefetchnta): they pass through L1 without displacing what the caches hold for the rest of the
+ * step and the next one (a session's K/V, the activations, the Python that runs between steps).
+ * A 512-context decode step 2.5% faster on a 2-core Zen 4 (in-process A/B, 9 of 10 rounds faster),
+ * 4K the same. A step of many rows passes over a thread's columns once per row block and wants
+ * them kept in L2. */
+static inline void prefetch_ahead(const uint8_t *u, int bb, int once) {
+    if (once) {
+        for (int l = 0; l < bb; l += 64) __builtin_prefetch((const void *)((uintptr_t)u + l + PREFETCH_AHEAD), 0, 0);
+        return;
+    }
     for (int l = 0; l < bb; l += 64) prefetch_at(u + l, PREFETCH_AHEAD);
 }
 
@@ -474,7 +484,7 @@ static inline void store_group(float *out, __m512 v, const float *bias, int ncol
 }
 
 static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc,
-                                                       float *y, int64_t ldy, int accumulate) {
+                                                       float *y, int64_t ldy, int accumulate, int once) {
     const int nb = W->k / QB, bits = W->bits, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
     const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
     const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -482,7 +492,7 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
     for (int i = 0; i < rc; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = base + (int64_t)b * bb;
-        prefetch_ahead(u, bb);
+        prefetch_ahead(u, bb, once);
         __m512i w[8];
         if (bits == 8) {
             for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(u + 64 * c));
@@ -518,7 +528,7 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
 }
 #elif SK_AVX2
 static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc,
-                                                       float *y, int64_t ldy, int accumulate) {
+                                                       float *y, int64_t ldy, int accumulate, int once) {
     const int nb = W->k / QB, bits = W->bits, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
     const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
@@ -526,7 +536,7 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
     for (int i = 0; i < rc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = base + (int64_t)b * bb;
-        prefetch_ahead(u, bb);
+        prefetch_ahead(u, bb, once);
         for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7: bytes 32h .. 32h + 31 of each 64-byte chunk */
             __m256i w[8];
             if (bits == 8) { /* stored q + 128: the signed code, for the sign trick below */
@@ -574,7 +584,8 @@ static inline __attribute__((always_inline)) void tile(const sk_qmat *W, int g, 
 }
 #else
 static inline void tile(const sk_qmat *W, int g, const act_t *X, int r0, const int rc, float *y, int64_t ldy,
-                        int accumulate) {
+                        int accumulate, int once) {
+    (void)once;
     const int nb = W->k / QB, bits = W->bits, bb = block_bytes(bits), cb = bits == 8 ? 512 : 256;
     const uint8_t *base = W->data + (int64_t)g * W->group_bytes;
     int ncols = W->n - g * COLS < COLS ? W->n - g * COLS : COLS;
@@ -607,23 +618,24 @@ static inline void tile(const sk_qmat *W, int g, const act_t *X, int r0, const i
 #endif
 
 /* Every row count gets its own copy of `tile` with a constant bound (registers, unrolled). */
-static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, float *y, int64_t ldy, int accumulate) {
+static void tile_any(const sk_qmat *W, int g, const act_t *X, int r0, int rc, float *y, int64_t ldy, int accumulate,
+                     int once) {
     switch (rc) {
-    case 1: tile(W, g, X, r0, 1, y, ldy, accumulate); return;
-    case 2: tile(W, g, X, r0, 2, y, ldy, accumulate); return;
-    case 3: tile(W, g, X, r0, 3, y, ldy, accumulate); return;
+    case 1: tile(W, g, X, r0, 1, y, ldy, accumulate, once); return;
+    case 2: tile(W, g, X, r0, 2, y, ldy, accumulate, once); return;
+    case 3: tile(W, g, X, r0, 3, y, ldy, accumulate, once); return;
 #if MR >= 8
-    case 4: tile(W, g, X, r0, 4, y, ldy, accumulate); return;
-    case 5: tile(W, g, X, r0, 5, y, ldy, accumulate); return;
-    case 6: tile(W, g, X, r0, 6, y, ldy, accumulate); return;
-    case 7: tile(W, g, X, r0, 7, y, ldy, accumulate); return;
-    case 8: tile(W, g, X, r0, 8, y, ldy, accumulate); return;
-    case 9: tile(W, g, X, r0, 9, y, ldy, accumulate); return;
-    case 10: tile(W, g, X, r0, 10, y, ldy, accumulate); return;
-    case 11: tile(W, g, X, r0, 11, y, ldy, accumulate); return;
-    default: tile(W, g, X, r0, 12, y, ldy, accumulate); return;
+    case 4: tile(W, g, X, r0, 4, y, ldy, accumulate, once); return;
+    case 5: tile(W, g, X, r0, 5, y, ldy, accumulate, once); return;
+    case 6: tile(W, g, X, r0, 6, y, ldy, accumulate, once); return;
+    case 7: tile(W, g, X, r0, 7, y, ldy, accumulate, once); return;
+    case 8: tile(W, g, X, r0, 8, y, ldy, accumulate, once); return;
+    case 9: tile(W, g, X, r0, 9, y, ldy, accumulate, once); return;
+    case 10: tile(W, g, X, r0, 10, y, ldy, accumulate, once); return;
+    case 11: tile(W, g, X, r0, 11, y, ldy, accumulate, once); return;
+    default: tile(W, g, X, r0, 12, y, ldy, accumulate, once); return;
 #else
-    default: tile(W, g, X, r0, 4, y, ldy, accumulate); return;
+    default: tile(W, g, X, r0, 4, y, ldy, accumulate, once); return;
 #endif
     }
 }
@@ -711,7 +723,7 @@ static void amx_unpack(const sk_qmat *W, int g, uint8_t *dst) {
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = base + (int64_t)b * bb;
         uint8_t *o = dst + (size_t)b * 512;
-        prefetch_ahead(u, bb);
+        prefetch_ahead(u, bb, 0);
         for (int c = 0; c < 4; c++) {
             __m512i raw = _mm512_loadu_si512((const void *)(u + 64 * c));
             _mm512_store_si512((void *)(o + 64 * c), _mm512_and_si512(raw, nib));
@@ -841,10 +853,11 @@ static void gemm_groups(const sk_qmat *W, int g0, int g1, const act_t *X, int ro
 #if SK_AMX
     first = amx_groups(W, g0, g1, X, rows, y, ldy, accumulate);
 #endif
+    int once = rows - first <= ROW_BLOCK; /* one pass over the columns: the weights are read once */
     for (int rb = first; rb < rows; rb += ROW_BLOCK) {
         int re = rb + ROW_BLOCK < rows ? rb + ROW_BLOCK : rows;
         for (int g = g0; g < g1; g++)
-            for (int r = rb; r < re; r += MR) tile_any(W, g, X, r, re - r < MR ? re - r : MR, y, ldy, accumulate);
+            for (int r = rb; r < re; r += MR) tile_any(W, g, X, r, re - r < MR ? re - r : MR, y, ldy, accumulate, once);
     }
 }
 
