@@ -192,9 +192,10 @@ class ReferencePlan:
         return out
 
 
-def layer_stride(cache) -> int:
-    """Elements between layer 0's and layer 1's key buffer of a cache (0 for one layer)."""
-    k0 = cache.layer(0)[0]
+def layer_stride(cache, k0: torch.Tensor | None = None) -> int:
+    """Elements between layer 0's and layer 1's key buffer of a cache (0 for one layer); `k0`:
+    layer 0's keys where the caller has them (one view fewer to make)."""
+    k0 = cache.layer(0)[0] if k0 is None else k0
     try:
         k1 = cache.layer(1)[0]
     except IndexError:
@@ -204,7 +205,7 @@ def layer_stride(cache) -> int:
 
 def _range(cache, length: int, causal_start: int | None = None):
     k, v = cache.layer(0)
-    return triton_kernels().KVRange(k, v, length, causal_start, layer_stride(cache))
+    return triton_kernels().KVRange(k, v, length, causal_start, layer_stride(cache, k))
 
 
 def triton_plan(seqs: Sequence, heads: int, kv_heads: int, head_dim: int, device: torch.device,

@@ -535,7 +535,7 @@ class DecoderModel:
 def _range(buffer, length: int) -> Range:
     """A cache buffer's keys and values of layer 0 as the kernels address them."""
     k, v = buffer.layer(0)
-    return Range(k.data_ptr(), v.data_ptr(), layer_stride(buffer), k.stride(0), length, 0)
+    return Range(k.data_ptr(), v.data_ptr(), layer_stride(buffer, k), k.stride(0), length, 0)
 
 
 class StepPlan:

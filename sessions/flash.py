@@ -44,7 +44,7 @@ from .jobs import Job, Lanes, Priority
 from .kvcache import KVCache
 from .room import Room
 from .runner import SeqStep
-from .sampling import Penalties
+from .sampling import Penalties, greedy
 from .session import Session, normalize
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ class FlashJob(Job):
 
     def _take(self, f: _Fork, logits: torch.Tensor) -> None:
         logits = f.q.penalties.apply(logits, f.generated, self.stop_ids)
-        token = int(torch.argmax(logits))
+        token = greedy(logits)
         probs = torch.softmax(logits.float(), dim=-1)
         if not f.generated:
             top = torch.topk(logits, 2).values

@@ -420,6 +420,11 @@ class NativeStack:
         cfg = model.config
         decoder = model.model
         self.embed = decoder.embed_tokens
+        self.head = model.get_output_embeddings()  # (as the layers: the modules the stack was built on)
+        # a plain fp32 table is looked up directly (a decode step's module call and dtype/layout
+        # checks cost ~30 us on the caches the step flushed); a scaled or other embedding runs its module
+        self._plain_embed = (type(self.embed) is nn.Embedding and self.embed.weight.dtype == torch.float32
+                             and self.embed.max_norm is None)
         self.rotary = decoder.rotary_emb
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -450,6 +455,10 @@ class NativeStack:
         call), so a table of them gives every step the same values the module would, without its
         half dozen small ops a step (a decode step's Python runs on caches the step just flushed)."""
         table = self._rope
+        if positions.numel() == 1 and table is not None:  # a decode step: one row, a view of the table's
+            p = int(positions[0])
+            if p < table[0].shape[0]:
+                return table[0][p:p + 1], table[1][p:p + 1]
         top = int(positions.max()) + 1  # a step has at least one row
         if table is None or top > ROPE_TABLE_MAX:
             cos, sin = self.rotary(h[None], positions[None])
@@ -465,6 +474,10 @@ class NativeStack:
     def forward(self, seqs: Sequence, ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden states `[N, hidden]` of the step's tokens (`ids`, at
         `positions`), each sequence's K/V written at its slots (seq.offset: its first row)."""
-        h = self.embed(torch.tensor(ids, dtype=torch.long)).float().contiguous()
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        if self._plain_embed:  # the table's rows, copied (the step updates h in place)
+            h = torch.nn.functional.embedding(ids_t, self.embed.weight)
+        else:
+            h = self.embed(ids_t).float().contiguous()
         plan = ck.StepPlan(seqs, *self._cos_sin(h, positions))
         return self.lib.forward(self.model, plan, h, torch.empty_like(h), self.ctx)

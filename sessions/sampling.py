@@ -9,6 +9,15 @@ import torch
 
 from .errors import Code, InvalidRequest
 
+def greedy(logits: torch.Tensor) -> int:
+    """The index of the largest logit (the first of equals, as torch.argmax). A CPU float32 row
+    goes through numpy: torch's argmax dispatches to its thread pool, ~40 us a decode step on a
+    2-core machine where numpy's takes ~4 (its own result: the first maximum, NaN counted as one)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "end_bias")
 
 
@@ -130,7 +139,7 @@ class Sampler:
         p = self.params
         logits = self.penalties.apply(logits, generated, self.stop_ids)
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return greedy(logits)
         logits = logits.float() / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]

@@ -51,7 +51,7 @@ from .kvcache import KVCache, own_slots
 from .room import Room
 from .rope import rotate_keys
 from .runner import SeqStep
-from .sampling import Penalties
+from .sampling import Penalties, greedy
 from .session import Session
 
 if TYPE_CHECKING:
@@ -452,7 +452,7 @@ class ThinkJob(Job):
             self._done()
         else:
             self.phase = "decode"
-            self._take(int(torch.argmax(self.config.penalties.apply(rows[0], self.earlier))))
+            self._take(greedy(self.config.penalties.apply(rows[0], self.earlier)))
 
     def _take(self, token: int) -> None:
         if token in self.stop_ids:
