@@ -16,7 +16,10 @@ in cores. A step of at most `small_rows` rows (decoding) gets floor(cores - fore
 threads, a larger one (reading) floor(cores - foreign + 0.75): one thread fewer once foreign
 load passes 0.3 core for decode steps, 0.75 for reading ones. Never fewer than one nor more
 than the pool's ceiling (`--threads`, else torch's count: `Kernels.set_threads`); fewer at
-once, more only once two windows in a row agree.
+once, more only once two windows in a row agree. A look after more than two windows without
+steps (the engine sat idle) only starts a new measurement, the next a fifth of a window later:
+load that ran meanwhile and has ended (a neighbour's burst, a benchmark's other engine) says
+nothing about the steps that follow.
 
 The native kernels' results never depend on their thread count (their splits are fixed;
 tests/kernels/test_cpu.py). Torch's threads are not governed: its results do depend on its
@@ -78,10 +81,13 @@ class ThreadGovernor:
     """See the module doc. One per process (`GOVERNOR`); tests make their own."""
 
     small_rows = 8
+    stale_after = 2.0  # windows since the last look past which it measured an idle engine's gap
+    fresh_fraction = 0.2  # of a window: the next look after such a gap
 
     def __init__(self, window_s: float = 0.5, small_slack: float = 0.3, large_slack: float = 0.75,
                  enabled: bool | None = None) -> None:
         self.window_s = window_s
+        self._window = window_s  # until the next look
         self.slack = {"small": small_slack, "large": large_slack}
         self.enabled = (os.environ.get(ADAPTIVE_ENV, "1") != "0") if enabled is None else enabled
         self.allowed_threads = no_limits()
@@ -152,7 +158,7 @@ class ThreadGovernor:
         if not self.enabled or not self.pools:
             return
         now = time.monotonic()
-        if (self._last is None or now - self._last[0] >= self.window_s) and self._lock.acquire(blocking=False):
+        if (self._last is None or now - self._last[0] >= self._window) and self._lock.acquire(blocking=False):
             try:
                 self._look(now)
             except (OSError, ValueError, IndexError) as exc:
@@ -175,6 +181,14 @@ class ThreadGovernor:
         last, self._last = self._last, (now, busy, ticks, pool_ns)
         if last is None or ticks <= last[2]:
             return
+        if now - last[0] > self.stale_after * self.window_s:
+            # no step looked for a while (the engine sat idle): what ran meanwhile, a neighbour's
+            # burst that has ended, says nothing about the steps that follow (bench/decode.py's
+            # llama.cpp rounds between ours cost our next 64-token answer half its threads, 3.6 ->
+            # 5.5 ms a token at 512). Keep the counts, look again soon over the steps themselves.
+            self._window = self.window_s * self.fresh_fraction
+            return
+        self._window = self.window_s
         busy_cores = (busy - last[1]) / (ticks - last[2]) * cpus
         pool_cores = (pool_ns - last[3]) / 1e9 / (now - last[0])
         self.foreign_cores = max(0.0, busy_cores - pool_cores)

@@ -73,6 +73,41 @@ def test_a_busy_process_on_a_core_takes_a_thread_from_the_pools_and_leaving_give
         lib.set_threads(before)
 
 
+def test_load_that_ran_while_no_step_looked_does_not_take_threads():
+    """A busy process that ran and ended while the engine sat idle (no tick for more than two
+    windows) is no reason to run fewer threads: the first look after the gap only starts a new
+    measurement, and the counts stay. (The look over the whole gap saw ~1 core of foreign load
+    and halved a decode's threads for the next windows.) A process still busy is seen by the
+    looks that follow, a fifth of a window later."""
+    cpus = os.cpu_count()
+    governor = ck_governor.ThreadGovernor(window_s=0.2, enabled=True)
+    count = [cpus]
+    governor.adopt("counted", lambda: count[0], lambda n: count.__setitem__(0, n), cpus)
+    governor.tick(1)  # the first look: a baseline
+    hog = subprocess.Popen(HOG)
+    try:
+        time.sleep(1.5)  # no steps: > 2 windows
+    finally:
+        hog.kill()
+        hog.wait()
+    governor.tick(1)
+    assert count[0] == cpus and governor.changes == 0, governor.state()
+    assert governor._window < governor.window_s  # the next look comes sooner
+    hog = subprocess.Popen(HOG)  # a gap again, and the load goes on after it
+    try:
+        time.sleep(1.0)
+        governor.tick(64)
+        assert count[0] == cpus, governor.state()
+
+        def fewer() -> bool:
+            governor.tick(64)
+            return count[0] < cpus
+        assert wait_for(fewer), governor.state()
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 def test_inside_fixed_every_pool_runs_its_ceiling():
     governor = ck_governor.ThreadGovernor(window_s=0.05, enabled=True)
     count = [4]
