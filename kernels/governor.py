@@ -17,9 +17,11 @@ threads, a larger one (reading) floor(cores - foreign + 0.75): one thread fewer 
 load passes 0.3 core for decode steps, 0.75 for reading ones. Never fewer than one nor more
 than the pool's ceiling (`--threads`, else torch's count: `Kernels.set_threads`); fewer at
 once, more only once two windows in a row agree. A look after more than two windows without
-steps (the engine sat idle) only starts a new measurement, the next a fifth of a window later:
-load that ran meanwhile and has ended (a neighbour's burst, a benchmark's other engine) says
-nothing about the steps that follow.
+steps (the engine sat idle) counts the load of that gap only as far as it still runs (the
+machine's runnable threads, /proc/stat's procs_running, less this process's; if any, the fewest
+of reads over ~10 ms), and the next look comes a fifth of a window later and alone may give threads
+back: load that ran meanwhile and has ended (a neighbour's burst, a benchmark's other engine)
+says nothing about the steps that follow, a busy process still there does.
 
 The native kernels' results never depend on their thread count (their splits are fixed;
 tests/kernels/test_cpu.py). Torch's threads are not governed: its results do depend on its
@@ -83,6 +85,8 @@ class ThreadGovernor:
     small_rows = 8
     stale_after = 2.0  # windows since the last look past which it measured an idle engine's gap
     fresh_fraction = 0.2  # of a window: the next look after such a gap
+    running_reads = 6  # of the runnable threads at such a look (the fewest counts), this far apart:
+    running_every_s = 0.002
 
     def __init__(self, window_s: float = 0.5, small_slack: float = 0.3, large_slack: float = 0.75,
                  enabled: bool | None = None) -> None:
@@ -129,13 +133,15 @@ class ThreadGovernor:
                 "changes": self.changes}
 
     @staticmethod
-    def _cpu_ticks() -> tuple[int, int, int]:
-        """(busy, all) ticks summed over the CPUs since boot, and the number of CPUs."""
+    def _cpu_ticks() -> tuple[int, int, int, int]:
+        """(busy, all) ticks summed over the CPUs since boot, the number of CPUs, and the threads
+        runnable right now on the machine (the caller included)."""
         with open("/proc/stat") as f:
             lines = f.read().splitlines()
         fields = [int(v) for v in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
         cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
-        return sum(fields) - fields[3] - fields[4], sum(fields), cpus
+        running = next((int(line.split()[1]) for line in lines if line.startswith("procs_running ")), 1)
+        return sum(fields) - fields[3] - fields[4], sum(fields), cpus, running
 
     @staticmethod
     def _pool_ns() -> int:
@@ -151,6 +157,19 @@ class ThreadGovernor:
             except (OSError, ValueError, IndexError):
                 pass  # the thread ended
         return total
+
+    @staticmethod
+    def _own_running() -> int:
+        """This process's threads runnable now (the caller, pool workers or torch's OpenMP threads
+        still spinning after their last job), at least 1."""
+        count = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    count += f.read().rpartition(")")[2].split()[0] == "R"
+            except (OSError, IndexError):
+                pass  # the thread ended
+        return max(1, count)
 
     def tick(self, rows: int | None = None) -> None:
         """Before a step of `rows` rows: look at most once a window, and size every pool for a
@@ -176,22 +195,25 @@ class ThreadGovernor:
                 pool.apply(want)
 
     def _look(self, now: float) -> None:
-        busy, ticks, cpus = self._cpu_ticks()
+        busy, ticks, cpus, _running = self._cpu_ticks()
         pool_ns = self._pool_ns()
         last, self._last = self._last, (now, busy, ticks, pool_ns)
         if last is None or ticks <= last[2]:
             return
-        if now - last[0] > self.stale_after * self.window_s:
-            # no step looked for a while (the engine sat idle): what ran meanwhile, a neighbour's
-            # burst that has ended, says nothing about the steps that follow (bench/decode.py's
-            # llama.cpp rounds between ours cost our next 64-token answer half its threads, 3.6 ->
-            # 5.5 ms a token at 512). Keep the counts, look again soon over the steps themselves.
-            self._window = self.window_s * self.fresh_fraction
-            return
-        self._window = self.window_s
         busy_cores = (busy - last[1]) / (ticks - last[2]) * cpus
         pool_cores = (pool_ns - last[3]) / 1e9 / (now - last[0])
         self.foreign_cores = max(0.0, busy_cores - pool_cores)
+        self._window = self.window_s
+        stale = now - last[0] > self.stale_after * self.window_s
+        if stale:
+            # no step looked for a while (the engine sat idle): the load over the gap counts only
+            # as far as it still runs now (the machine's runnable threads less this process's), and
+            # the next look comes soon, over the steps themselves. A neighbour's burst that has
+            # ended says nothing about the steps that follow (bench/decode.py's llama.cpp rounds
+            # between ours took half the threads of our next 64-token answer: 5.5 ms a token at 512
+            # where the governor off gave 3.6); a busy process still there takes its thread at once.
+            self.foreign_cores = min(self.foreign_cores, float(self._running_foreign(cpus)))
+            self._window = self.window_s * self.fresh_fraction
         for kind, slack in self.slack.items():
             target = max(1, min(cpus, int(cpus - self.foreign_cores + slack)))
             current = min(cpus, self.allowed_threads[kind])
@@ -207,6 +229,24 @@ class ThreadGovernor:
                 log.debug("threads for %s steps: at most %s (foreign load %.2f cores of %d)",
                           "decode" if kind == "small" else "reading", "all" if target == UNLIMITED else target,
                           self.foreign_cores, cpus)
+        if stale:  # a count an instant chose: the next look alone may give threads back
+            self._up_votes = {kind: 1 for kind in self.slack}
+
+    def _running_foreign(self, cpus: int) -> int:
+        """Threads of other processes runnable now, this process's counted on both sides of the
+        machine's count (one of ours that stops spinning between them is still ours). None at
+        the first read is the answer; else the fewest of reads over ~10 ms: a process that
+        finishes its work just then (bench/decode.py's llama.cpp worker answering) is no load."""
+        fewest = cpus
+        for i in range(self.running_reads):
+            if i:
+                time.sleep(self.running_every_s)
+            before = self._own_running()
+            running = self._cpu_ticks()[3]
+            fewest = min(fewest, running - max(before, self._own_running()))
+            if fewest <= 0:
+                return 0
+        return fewest
 
 
 GOVERNOR = ThreadGovernor()

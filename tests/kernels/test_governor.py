@@ -75,10 +75,10 @@ def test_a_busy_process_on_a_core_takes_a_thread_from_the_pools_and_leaving_give
 
 def test_load_that_ran_while_no_step_looked_does_not_take_threads():
     """A busy process that ran and ended while the engine sat idle (no tick for more than two
-    windows) is no reason to run fewer threads: the first look after the gap only starts a new
-    measurement, and the counts stay. (The look over the whole gap saw ~1 core of foreign load
-    and halved a decode's threads for the next windows.) A process still busy is seen by the
-    looks that follow, a fifth of a window later."""
+    windows) is no reason to run fewer threads: the look after the gap counts its load only as
+    far as it still runs, and the counts stay. (The look over the whole gap saw ~1 core of
+    foreign load and halved a decode's threads for the next windows.) A process still busy after
+    such a gap takes its thread at once."""
     cpus = os.cpu_count()
     governor = ck_governor.ThreadGovernor(window_s=0.2, enabled=True)
     count = [cpus]
@@ -96,8 +96,6 @@ def test_load_that_ran_while_no_step_looked_does_not_take_threads():
     hog = subprocess.Popen(HOG)  # a gap again, and the load goes on after it
     try:
         time.sleep(1.0)
-        governor.tick(64)
-        assert count[0] == cpus, governor.state()
 
         def fewer() -> bool:
             governor.tick(64)
