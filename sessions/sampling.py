@@ -9,11 +9,12 @@ import torch
 
 from .errors import Code, InvalidRequest
 
+
 def greedy(logits: torch.Tensor) -> int:
     """The index of the largest logit (the first of equals, as torch.argmax). A CPU float32 row
     goes through numpy: torch's argmax dispatches to its thread pool, ~40 us a decode step on a
     2-core machine where numpy's takes ~4 (its own result: the first maximum, NaN counted as one)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1 and not logits.requires_grad:
         return int(logits.numpy().argmax())
     return int(torch.argmax(logits))
 

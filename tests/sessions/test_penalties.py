@@ -9,7 +9,7 @@ from helpers import Sync, driven
 from streamer.sessions.errors import InvalidRequest
 from streamer.sessions.jobs import PrefillJob, drive
 from streamer.sessions.query import QueryJob, query
-from streamer.sessions.sampling import Penalties, SamplingParams
+from streamer.sessions.sampling import Penalties, SamplingParams, greedy
 from streamer.sessions.session import Session
 
 from streamer.protocol import ProtocolError, ServerProtocol
@@ -27,6 +27,17 @@ def test_penalties_arithmetic():
     assert out.tolist() == [2.0, -1.0, 0.5 - 0.5 - 0.25, 3.0 - 0.5 - 0.75]
     assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0]))  # the input is kept
     assert Penalties().apply(logits, [0, 1]) is logits and not Penalties().active
+
+
+def test_greedy_picks_what_torch_argmax_picks():
+    """The greedy pick (numpy's argmax on a CPU float32 row, torch's elsewhere): the first of equal
+    maxima, a NaN taken as the maximum, a strided row of a larger tensor, other dtypes."""
+    cases = [torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([1.0, float("nan"), 5.0, float("nan")]),
+             torch.tensor([-2.0, -1.0, -1.0]), torch.randn(7, 50).unbind(1)[3], torch.randn(50).bfloat16(),
+             torch.randn(49152)]
+    for logits in cases:
+        assert greedy(logits) == int(torch.argmax(logits)), logits
+    assert greedy(torch.tensor([1.0, 3.0, 3.0, 2.0])) == 1
 
 
 def test_end_bias_arithmetic():
