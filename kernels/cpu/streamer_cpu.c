@@ -1093,11 +1093,41 @@ static inline float exp_scalar(float x) {
 #endif
 }
 
+static inline void rmsnorm_scaled(const float *x, const float *w, int n, float eps, float ss, float *out) {
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
 static void rmsnorm(const float *x, const float *w, int n, float eps, float *out) {
     float ss = 0.0f;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+    rmsnorm_scaled(x, w, n, eps, ss, out);
+}
+
+/* rmsnorm of rows lo .. hi - 1 (x and out `ld` floats apart). A row's sum of squares is one
+ * chain of dependent additions (4 cycles each: ~0.7 us for 576 inputs), so with AVX-512 16 rows
+ * run it together, a row in each lane, in the same order and with the same roundings as a row
+ * alone (a multiply, then an add: contraction is off): every row gets rmsnorm's bits. */
+static void rmsnorm_rows(const float *x, const float *w, int n, float eps, float *out, int64_t ld, int lo, int hi) {
+    int r = lo;
+#if SK_AVX512
+    if ((int64_t)15 * ld <= INT32_MAX) { /* the lanes' offsets are 32-bit */
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)ld));
+        for (; r + 16 <= hi; r += 16) {
+            const float *x0 = x + (int64_t)r * ld;
+            __m512 ss = _mm512_setzero_ps();
+            for (int i = 0; i < n; i++) {
+                __m512 v = _mm512_i32gather_ps(at, x0 + i, 4);
+                ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+            }
+            float s[16];
+            _mm512_storeu_ps(s, ss);
+            for (int j = 0; j < 16; j++) rmsnorm_scaled(x0 + j * ld, w, n, eps, s[j], out + (int64_t)(r + j) * ld);
+        }
+    }
+#endif
+    for (; r < hi; r++) rmsnorm(x + (int64_t)r * ld, w, n, eps, out + (int64_t)r * ld);
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
@@ -1898,10 +1928,8 @@ static void forward_job(void *ctx, int tid, int nth) {
     double mark = c->profiling ? now_s() : 0.0;
     for (int layer = 0; layer < M->layers; layer++) {
         const sk_layer *L = &M->layer[layer];
-        for (int r = lo; r < hi; r++) {
-            rmsnorm(F->h + (int64_t)r * hidden, L->in_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
-            quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
-        }
+        rmsnorm_rows(F->h, L->in_norm, hidden, M->eps, F->norm, hidden, lo, hi);
+        for (int r = lo; r < hi; r++) quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
         lap(c, tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->qkv, &F->act_h, N, F->qkv, qkv_width(M), 0, tid, nth);
         lap(c, tid, T_QKV, &mark, nth, 1);
@@ -1916,10 +1944,8 @@ static void forward_job(void *ctx, int tid, int nth) {
         lap(c, tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->o, &F->act_a, N, F->h, hidden, 1, tid, nth);
         lap(c, tid, T_O, &mark, nth, 1);
-        for (int r = lo; r < hi; r++) {
-            rmsnorm(F->h + (int64_t)r * hidden, L->post_norm, hidden, M->eps, F->norm + (int64_t)r * hidden);
-            quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
-        }
+        rmsnorm_rows(F->h, L->post_norm, hidden, M->eps, F->norm, hidden, lo, hi);
+        for (int r = lo; r < hi; r++) quantize_row(F->norm + (int64_t)r * hidden, &F->act_h, r);
         lap(c, tid, T_NORM, &mark, nth, 1);
         gemm_part(&L->gate_up, &F->act_h, N, F->gu, 2 * inter, 0, tid, nth);
         lap(c, tid, T_GATE_UP, &mark, nth, 1);
@@ -1933,7 +1959,7 @@ static void forward_job(void *ctx, int tid, int nth) {
         lap(c, tid, T_DOWN, &mark, nth, 1);
     }
     if (F->out)
-        for (int r = lo; r < hi; r++) rmsnorm(F->h + (int64_t)r * hidden, M->final_norm, hidden, M->eps, F->out + (int64_t)r * hidden);
+        rmsnorm_rows(F->h, M->final_norm, hidden, M->eps, F->out, hidden, lo, hi);
     lap(c, tid, T_NORM, &mark, nth, 0);
 }
 
