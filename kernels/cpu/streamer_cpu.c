@@ -714,13 +714,15 @@ typedef struct {
 /* Tiles 0, 1: 16 x 16 int32 sums; 2, 3: 16 rows x 32 activation codes; 4, 5: one block of a
  * group's codes (8 rows of 4 inputs x 16 columns). */
 static void amx_configure(void) {
-    amx_config_t cfg;
+    amx_config_t cfg __attribute__((aligned(64)));
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 2; t++) { cfg.rows[t] = AMX_ROWS; cfg.colsb[t] = 64; }
     for (int t = 2; t < 4; t++) { cfg.rows[t] = AMX_ROWS; cfg.colsb[t] = QB; }
     for (int t = 4; t < 6; t++) { cfg.rows[t] = QB / 4; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
+    /* not _tile_loadconfig: GCC's names 8 bytes of the config as read, so it may drop the stores
+     * to the rest (a harness built with -O3 faulted at the ldtilecfg); this names all 64 */
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 /* Tile loads and stores stated exactly (the compiler's own macros clobber all memory at a store,
