@@ -420,12 +420,92 @@ static void act_place(act_t *a, int k, int rows, char *base) {
     a->c = (int32_t *)(base + off);
 }
 
+/* ---- reductions across lanes ---------------------------------------------------------------- */
+
+#if SK_AVX512
+/* The sums of four vectors, one per lane of the result. */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m256 y0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 y1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    __m256 y2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    __m256 y3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y0, y1), _mm256_hadd_ps(y2, y3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+enum { R16_ADD, R16_MAX, R16_ADD_EPI32 };
+
+static inline __m512 r16_op(__m512 a, __m512 b, const int op) {
+    if (op == R16_MAX) return _mm512_max_ps(a, b);
+    if (op == R16_ADD_EPI32) return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    return _mm512_add_ps(a, b);
+}
+
+/* reduce4 for 16 vectors at once: lane i of the result is the sum of x[i], pairing the lanes
+ * exactly as reduce4 does (y_l = v_l + v_(l+8), then adjacent pairs, twice, then the halves), so
+ * every sum is bit for bit reduce4's; 45 operations for 16 sums where reduce4 takes ~19 for 4.
+ * `op`: the sums (R16_ADD), or the same tree with a max of floats or a sum of int32 lanes. */
+static inline __m512 reduce16_op(const __m512 *x, const int op) {
+    static const int order[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15}; /* lane of A_k below */
+    __m512 y[8], z[4], w[2];
+    for (int m = 0; m < 8; m++) {
+        __m512 a = x[order[2 * m]], b = x[order[2 * m + 1]];
+        y[m] = r16_op(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE), op);
+    }
+    for (int m = 0; m < 4; m++)
+        z[m] = r16_op(_mm512_shuffle_ps(y[2 * m], y[2 * m + 1], 0x88), _mm512_shuffle_ps(y[2 * m], y[2 * m + 1], 0xDD), op);
+    for (int m = 0; m < 2; m++)
+        w[m] = r16_op(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0x88), _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0xDD), op);
+    return r16_op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD), op);
+}
+
+static inline __m512 reduce16(const __m512 *x) { return reduce16_op(x, R16_ADD); }
+
+/* The sum of a vector's 16 lanes in reduce4's order: with y_i = v_i + v_(i+8),
+ * ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)). */
+static inline float sum16(__m512 v) {
+    __m512 z = _mm512_setzero_ps();
+    return _mm_cvtss_f32(reduce4(v, z, z, z));
+}
+
+/* quantize_row's blocks 16 at a time, a block in each lane where one block alone reduces across
+ * its own lanes: the largest magnitudes and the codes' sums by reduce16_op's tree (a max and an
+ * integer sum: the same in any order), one division for 16 inverse scales and one for 16 scales,
+ * so every code and scale is a block alone's. On a Sapphire Rapids-class Xeon a row of 576 inputs
+ * ~130 -> ~70 ns, of 1,536 ~350 -> ~170 (a 512-token ingest 1.014x, in-process A/B). */
+static inline void quantize16(const float *x, int8_t *q, float *d, float *s, int32_t *c) {
+    __m512 m[16], sums[16];
+    for (int i = 0; i < 16; i++)
+        m[i] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i * QB)), _mm512_abs_ps(_mm512_loadu_ps(x + i * QB + 16)));
+    __m512 amax = reduce16_op(m, R16_MAX);
+    __mmask16 positive = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+    float id[16];
+    _mm512_storeu_ps(id, _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.0f), amax));
+    for (int i = 0; i < 16; i++) {
+        __m512 vid = _mm512_set1_ps(id[i]);
+        __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i * QB), vid));
+        __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i * QB + 16), vid));
+        _mm_storeu_si128((__m128i *)(q + i * QB), _mm512_cvtsepi32_epi8(ql));
+        _mm_storeu_si128((__m128i *)(q + i * QB + 16), _mm512_cvtsepi32_epi8(qh));
+        sums[i] = _mm512_castsi512_ps(_mm512_add_epi32(ql, qh));
+    }
+    __m512i sum = _mm512_castps_si512(reduce16_op(sums, R16_ADD_EPI32));
+    __m512 scale = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+    _mm512_storeu_ps(d, scale);
+    _mm512_storeu_ps(s, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(sum)));
+    _mm512_storeu_si512((void *)c, _mm512_mullo_epi32(_mm512_set1_epi32(-128), sum));
+}
+#endif
+
 static void quantize_row(const float *x, const act_t *a, int r) {
-    int k = a->k, nb = k / QB;
+    int k = a->k, nb = k / QB, b = 0;
     int8_t *q = act_q(a, r);
     float *d = act_d(a, r), *s = act_s(a, r);
     int32_t *c = act_c(a, r);
-    for (int b = 0; b < nb; b++) {
+#if SK_AVX512
+    for (; b + 16 <= nb; b += 16) quantize16(x + b * QB, q + b * QB, d + b, s + b, c + b);
+#endif
+    for (; b < nb; b++) {
         const float *xb = x + b * QB;
         int8_t *qb = q + b * QB;
         int sum = 0;
@@ -1008,40 +1088,6 @@ int sk_linear(sk_ctx *c, const sk_qmat *W, const float *x, int rows, int64_t ldx
 /* ---- vector helpers ---------------------------------------------------------------------- */
 
 #if SK_AVX512
-/* The sums of four vectors, one per lane of the result. */
-static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    __m256 y0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
-    __m256 y1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
-    __m256 y2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
-    __m256 y3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y0, y1), _mm256_hadd_ps(y2, y3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-/* reduce4 for 16 vectors at once: lane i of the result is the sum of x[i], pairing the lanes
- * exactly as reduce4 does (y_l = v_l + v_(l+8), then adjacent pairs, twice, then the halves), so
- * every sum is bit for bit reduce4's; 45 operations for 16 sums where reduce4 takes ~19 for 4. */
-static inline __m512 reduce16(const __m512 *x) {
-    static const int order[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15}; /* lane of A_k below */
-    __m512 y[8], z[4], w[2];
-    for (int m = 0; m < 8; m++) {
-        __m512 a = x[order[2 * m]], b = x[order[2 * m + 1]];
-        y[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    }
-    for (int m = 0; m < 4; m++)
-        z[m] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * m], y[2 * m + 1], 0x88), _mm512_shuffle_ps(y[2 * m], y[2 * m + 1], 0xDD));
-    for (int m = 0; m < 2; m++)
-        w[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0x88), _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-/* The sum of a vector's 16 lanes in reduce4's order: with y_i = v_i + v_(i+8),
- * ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)). */
-static inline float sum16(__m512 v) {
-    __m512 z = _mm512_setzero_ps();
-    return _mm_cvtss_f32(reduce4(v, z, z, z));
-}
-
 /* exp for x <= 0 (softmax): 2^n * p(r), r in [-ln2/2, ln2/2], degree-6 polynomial (~1 ulp). */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));

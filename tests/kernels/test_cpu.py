@@ -93,6 +93,26 @@ def test_the_linear_kernel_computes_its_arithmetic(bits, n, k, path):
     assert (got - exact).norm() <= 0.15 * exact.norm()  # and it is the float layer, to 4 or 8 bits
 
 
+def test_the_avx512_path_quantizes_and_multiplies_as_the_avx2_path_does():
+    """AVX-512 quantizes a row's activations 16 blocks at a time (their maxima and sums reduced
+    together, one division for 16 scales), AVX2 a block at a time: the same codes and scales, so
+    the same bits out of the linear layer, also for a block of zeros, one huge input and a block
+    of tiny ones, at widths of 18 blocks (16 together, 2 alone) and 48."""
+    native, avx2 = path_lib("native"), path_lib("avx2")
+    if ck.simd(native) != "avx512-vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI: the native path is the AVX2 one")
+    for k in (576, 1536):
+        torch.manual_seed(k)
+        w = torch.randn(48, k) * 0.05
+        x = torch.randn(40, k) * 3
+        x[:, 32:64] = 0
+        x[1, 100], x[2, 200:232] = 1e30, 1e-30
+        for bits in (4, 8):
+            codes, d, *m = quantize_q8_0(w) if bits == 8 else quantize_q4_1(w)
+            matrix = QuantMatrix.pack(bits, codes, d, m[0] if m else None, None)
+            assert torch.equal(linear_with(native, matrix, x), linear_with(avx2, matrix, x)), (k, bits)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_row_never_depends_on_the_others_or_the_threads(path):
     torch.manual_seed(3)
