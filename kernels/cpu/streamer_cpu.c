@@ -469,10 +469,12 @@ static inline float sum16(__m512 v) {
 }
 
 /* quantize_row's blocks 16 at a time, a block in each lane where one block alone reduces across
- * its own lanes: the largest magnitudes and the codes' sums by reduce16_op's tree (a max and an
- * integer sum: the same in any order), one division for 16 inverse scales and one for 16 scales,
- * so every code and scale is a block alone's. On a Sapphire Rapids-class Xeon a row of 576 inputs
- * ~130 -> ~70 ns, of 1,536 ~350 -> ~170 (a 512-token ingest 1.014x, in-process A/B). */
+ * its own lanes: the largest magnitudes and the codes' sums by reduce16_op's tree (a max of
+ * numbers and an integer sum: the same in any order; with a NaN input the maximum may differ
+ * from a block alone's, a row's own either way), one division for 16 inverse scales and one for
+ * 16 scales, so every code and scale of finite inputs is a block alone's. On a Sapphire
+ * Rapids-class Xeon a row of 576 inputs ~130 -> ~70 ns, of 1,536 ~350 -> ~170 (a 512-token
+ * ingest 1.014x, in-process A/B). */
 static inline void quantize16(const float *x, int8_t *q, float *d, float *s, int32_t *c) {
     __m512 m[16], sums[16];
     for (int i = 0; i < 16; i++)
