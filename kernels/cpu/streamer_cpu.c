@@ -300,7 +300,7 @@ static inline void prefetch_l2(const void *p, int64_t ahead) {
     __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 2);
 }
 
-/* The same as non-temporal (prefetchnta): for bytes read once, kept out of the caches' longer life. */
+/* The same, non-temporal (prefetchnta): for bytes read once, kept out of the caches' longer life. */
 static inline void prefetch_nta(const void *p, int64_t ahead) {
     __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 0);
 }
